@@ -1,0 +1,149 @@
+"""`"method": "gsd"` through vLLM's own config entry points: accepted, and refused by field name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from vllm_gsd.plugin import register  # noqa: E402
+
+register()
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+
+def _config_only_model(path, vocab_size: int) -> str:
+    LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
+    ).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cfg_models")
+    return {
+        "target": _config_only_model(root / "target", 512),
+        "draft": _config_only_model(root / "draft", 512),
+        "other_vocab": _config_only_model(root / "other_vocab", 600),
+    }
+
+
+def engine_config(models, spec, **kwargs):
+    args = EngineArgs(model=models["target"], skip_tokenizer_init=True,
+                      speculative_config=spec, **kwargs)
+    return args.create_engine_config()
+
+
+def gsd_spec(models, **overrides):
+    spec = {"method": "gsd", "model": models["draft"], "num_speculative_tokens": 16}
+    spec.update(overrides)
+    return spec
+
+
+def test_gsd_config_is_accepted_with_defaults(models):
+    cfg = engine_config(models, gsd_spec(models))
+    spec = cfg.speculative_config
+    assert spec.method == "gsd"
+    assert spec.num_speculative_tokens == 16
+    assert spec.draft_model_config.model == models["draft"]
+    assert (spec.gsd.top_k, spec.gsd.max_depth, spec.gsd.merge_ngram) == (4, 6, 1)
+    # GSD builds its tree on the host between steps and runs on the V1 runner.
+    assert cfg.scheduler_config.async_scheduling is False
+    assert cfg.use_v2_model_runner is False
+
+
+def test_gsd_knobs_are_taken(models):
+    knobs = {"top_k": 2, "max_depth": 3, "merge_ngram": -1, "min_child_ratio": 0.0,
+             "leaf_prob": 0.25}
+    spec = engine_config(models, gsd_spec(models, gsd=knobs)).speculative_config
+    assert spec.gsd.model_dump() == knobs
+
+
+@pytest.mark.parametrize(
+    ("gsd_block", "field"),
+    [
+        ({"top_k": 0}, "gsd.top_k"),
+        ({"top_k": "four"}, "gsd.top_k"),
+        ({"max_depth": 0}, "gsd.max_depth"),
+        ({"max_depth": 10**6}, "gsd.max_depth"),
+        ({"merge_ngram": -2}, "gsd.merge_ngram"),
+        ({"min_child_ratio": 1.5}, "gsd.min_child_ratio"),
+        ({"leaf_prob": 1.0}, "gsd.leaf_prob"),
+        ({"width": 3}, "gsd.width"),
+        ("deep", "gsd"),
+    ],
+)
+def test_bad_knob_is_refused_by_name(models, gsd_block, field):
+    with pytest.raises(Exception) as err:
+        engine_config(models, gsd_spec(models, gsd=gsd_block))
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kwargs", "message"),
+    [
+        ({"num_speculative_tokens": 0}, {}, "num_speculative_tokens"),
+        ({"num_speculative_tokens": 129}, {}, "num_speculative_tokens"),
+        ({"model": None}, {}, "speculative_config.model"),
+        ({}, {"async_scheduling": True}, "async_scheduling"),
+        ({"draft_tensor_parallel_size": 2}, {}, "draft_tensor_parallel_size"),
+    ],
+)
+def test_bad_speculative_config_is_refused_by_name(models, overrides, kwargs, message):
+    with pytest.raises(Exception) as err:
+        engine_config(models, gsd_spec(models, **overrides), **kwargs)
+    assert message in str(err.value)
+
+
+def test_draft_with_other_vocabulary_is_refused(models):
+    with pytest.raises(Exception) as err:
+        engine_config(models, gsd_spec(models, model=models["other_vocab"]))
+    assert "vocabulary" in str(err.value) and "speculative_config.model" in str(err.value)
+
+
+def test_gsd_block_needs_gsd_method(models):
+    with pytest.raises(Exception) as err:
+        engine_config(models, {"method": "draft_model", "model": models["draft"],
+                               "num_speculative_tokens": 4, "gsd": {"top_k": 2}})
+    assert "speculative_config.gsd" in str(err.value)
+
+
+def test_other_methods_still_work(models):
+    cfg = engine_config(models, {"method": "draft_model", "model": models["draft"],
+                                 "num_speculative_tokens": 4})
+    assert cfg.speculative_config.method == "draft_model"
+    assert cfg.speculative_config.gsd is None
+
+
+def test_cli_parser_takes_gsd_config(models):
+    """The server's --speculative-config JSON goes through the same validation."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    spec = json.dumps(gsd_spec(models, gsd={"top_k": 3}))
+    args = parser.parse_args(["--model", models["target"], "--skip-tokenizer-init",
+                              "--speculative-config", spec])
+    cfg = EngineArgs.from_cli_args(args).create_engine_config()
+    assert cfg.speculative_config.method == "gsd" and cfg.speculative_config.gsd.top_k == 3
+
+
+def test_plugin_loads_through_entry_point_in_a_fresh_process(models):
+    """vLLM itself loads the plugin (entry point), in a process where we import nothing of ours."""
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"a = EngineArgs(model={models['target']!r}, skip_tokenizer_init=True, "
+        f"speculative_config={gsd_spec(models)!r})\n"
+        "print('METHOD', a.create_engine_config().speculative_config.method)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "METHOD gsd" in out.stdout, out.stderr[-2000:]

@@ -1,0 +1,62 @@
+"""The patch registry: version gate, missing targets, idempotence."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_gsd.engine import patches, registry  # noqa: E402
+from vllm_gsd.plugin import register  # noqa: E402
+
+
+def test_every_patch_targets_something_that_exists_in_the_pinned_vllm():
+    patches.declare_all()
+    for patch in registry.registered():
+        owner, name, current = registry.resolve(patch.target)
+        assert current is not None, patch.target
+        assert patch.why
+
+
+def test_register_is_idempotent():
+    register()
+    applied = {p.target for p in registry.registered("config") if registry.is_applied(p.target)}
+    register()
+    assert registry.apply("config") == []  # nothing left to apply
+    assert applied == {p.target for p in registry.registered("config")}
+
+
+def test_version_mismatch_refuses_with_a_clear_message(monkeypatch):
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(registry.VllmVersionMismatch) as err:
+        registry.check_vllm_version()
+    assert "0.32.0" in str(err.value) and "0.33.0" in str(err.value)
+
+
+def test_version_mismatch_applies_nothing(monkeypatch):
+    import vllm
+
+    probe = registry.Patch(target="vllm.config.speculative:SpeculativeConfig.compute_hash",
+                           why="probe", scope="worker", wrap=lambda f: f)
+    monkeypatch.setattr(registry, "_REGISTRY", [probe])
+    monkeypatch.setattr(registry, "_APPLIED", set())
+    monkeypatch.setattr(vllm, "__version__", "0.31.1")
+    with pytest.raises(registry.VllmVersionMismatch):
+        registry.apply("worker")
+    assert not registry.is_applied(probe.target)
+
+
+def test_missing_target_is_named_before_anything_is_applied(monkeypatch):
+    calls = []
+    good = registry.Patch(target="vllm.config.speculative:SpeculativeConfig.compute_hash",
+                          why="ok", scope="worker", wrap=lambda f: calls.append(f) or f)
+    bad = registry.Patch(target="vllm.config.speculative:SpeculativeConfig.no_such_method",
+                         why="gone", scope="worker", wrap=lambda f: f)
+    monkeypatch.setattr(registry, "_REGISTRY", [good, bad])
+    monkeypatch.setattr(registry, "_APPLIED", set())
+    with pytest.raises(registry.PatchTargetMissing) as err:
+        registry.apply("worker")
+    assert "no_such_method" in str(err.value)
+    assert calls == []

@@ -1,0 +1,109 @@
+"""The `gsd` block of `--speculative-config`, and what "method": "gsd" means to vLLM's config.
+
+User-facing contract::
+
+    speculative_config = {
+        "method": "gsd",
+        "model": DRAFT,                    # a causal LM sharing the target's vocabulary
+        "num_speculative_tokens": 24,      # node budget N: most draft nodes verified per request per step
+        "gsd": {"top_k": 4, "max_depth": 6, "merge_ngram": 1,
+                "min_child_ratio": 0.2, "leaf_prob": 0.05},
+    }
+
+`GsdConfig` validates the block (pydantic: every bad value fails with the field's name and its
+allowed range). `finalize_gsd_speculative_config` runs inside `SpeculativeConfig.__post_init__`
+(see engine/patches.py) and checks what only the whole config can tell: the node budget, the
+draft's vocabulary, the draft's tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from vllm.config import SpeculativeConfig
+
+GSD_METHOD = "gsd"
+
+# vLLM 0.32's scheduler and runner size per-request speculative buffers by
+# num_speculative_tokens; 128 is the largest budget its V1 sampler plumbing accepts.
+MAX_NODE_BUDGET = 128
+
+
+class GsdConfig(BaseModel):
+    """Knobs of the hypothesis graph (see vllm_gsd.graph.GraphParams for their meaning)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    top_k: int = Field(default=4, ge=1, le=16)
+    """Children proposed per expanded node (1 = a chain, as plain speculative decoding)."""
+    max_depth: int = Field(default=6, ge=1, le=32)
+    """Draft steps: levels of the graph, i.e. the longest hypothesis."""
+    merge_ngram: int = Field(default=1, ge=-1, le=8)
+    """r of the merge rule: a child merges into an existing node with the same token whose r
+    preceding tokens match; 0 = same token anywhere; -1 disables merging (a plain tree)."""
+    min_child_ratio: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Sibling pruning: keep child j only if p_j >= min_child_ratio * p_top1."""
+    leaf_prob: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """A node whose draft probability is below this is verified but not expanded."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_non_mapping(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (dict, GsdConfig)):
+            raise ValueError(
+                f"the 'gsd' block must be a JSON object of graph knobs, got {type(value).__name__}"
+            )
+        return value
+
+
+def finalize_gsd_speculative_config(spec: SpeculativeConfig) -> None:
+    """Validate a SpeculativeConfig whose method is "gsd", after vLLM built its draft config.
+
+    Raises ValueError naming the offending field.
+    """
+    if spec.gsd is None:
+        spec.gsd = GsdConfig()
+    elif isinstance(spec.gsd, dict):  # replace() of an unvalidated instance
+        spec.gsd = GsdConfig(**spec.gsd)
+    node_budget = spec.num_speculative_tokens
+    if node_budget is None:
+        raise ValueError(
+            "speculative_config.num_speculative_tokens (the GSD node budget) is required "
+            f"for method 'gsd': an integer in [1, {MAX_NODE_BUDGET}]"
+        )
+    if not 1 <= node_budget <= MAX_NODE_BUDGET:
+        raise ValueError(
+            "speculative_config.num_speculative_tokens (the GSD node budget) must be in "
+            f"[1, {MAX_NODE_BUDGET}] for method 'gsd', got {node_budget}"
+        )
+    if spec.model is None:
+        raise ValueError("speculative_config.model (the draft model) is required for method 'gsd'")
+    if spec.parallel_drafting:
+        raise ValueError("speculative_config.parallel_drafting is not supported by method 'gsd'")
+    if spec.use_heterogeneous_vocab:
+        raise ValueError(
+            "speculative_config.use_heterogeneous_vocab is not supported by method 'gsd': "
+            "the draft must share the target's vocabulary"
+        )
+    target, draft = spec.target_model_config, spec.draft_model_config
+    if target is not None and draft is not None:
+        target_vocab, draft_vocab = target.get_vocab_size(), draft.get_vocab_size()
+        if target_vocab != draft_vocab:
+            raise ValueError(
+                f"speculative_config.model: the draft's vocabulary ({draft_vocab} tokens) differs "
+                f"from the target's ({target_vocab} tokens); method 'gsd' needs a draft that "
+                "shares the target's tokenizer"
+            )
+    target_tp = spec.target_parallel_config.tensor_parallel_size if spec.target_parallel_config else 1
+    if spec.draft_tensor_parallel_size not in (None, target_tp):
+        raise ValueError(
+            "speculative_config.draft_tensor_parallel_size must equal the target's "
+            f"tensor_parallel_size ({target_tp}) for method 'gsd', got {spec.draft_tensor_parallel_size}"
+        )
+
+
+def is_gsd(spec: Any) -> bool:
+    return spec is not None and getattr(spec, "method", None) == GSD_METHOD

