@@ -97,6 +97,11 @@ def finalize_gsd_speculative_config(spec: SpeculativeConfig) -> None:
                 f"from the target's ({target_vocab} tokens); method 'gsd' needs a draft that "
                 "shares the target's tokenizer"
             )
+    if target is not None and target.logprobs_mode != "raw_logprobs":
+        raise ValueError(
+            f"logprobs_mode={target.logprobs_mode!r} is not supported with speculative method "
+            "'gsd' (it reports raw logprobs along the accepted path); use 'raw_logprobs'"
+        )
     target_tp = spec.target_parallel_config.tensor_parallel_size if spec.target_parallel_config else 1
     if spec.draft_tensor_parallel_size not in (None, target_tp):
         raise ValueError(

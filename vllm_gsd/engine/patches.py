@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from typing import Any, Literal, get_args
 
-from vllm_gsd.engine import registry
+from vllm_gsd.engine import registry, runner_hooks
 from vllm_gsd.engine.config import GSD_METHOD, GsdConfig, finalize_gsd_speculative_config, is_gsd
 from vllm_gsd.engine.registry import Patch
 
@@ -120,13 +120,26 @@ def _wrap_vllm_config_post_init(original):
     return __post_init__
 
 
+def _wrap_num_lookahead_tokens(original: property) -> property:
+    """KV slots past the target's query that the drafter writes: its graph rows reach
+    root_pos + N, and the root itself can sit one past the verified tree."""
+
+    def num_lookahead_tokens(self) -> int:
+        if is_gsd(self.speculative_config):
+            return self.speculative_config.num_speculative_tokens + 1
+        return original.fget(self)
+
+    return property(num_lookahead_tokens, doc=original.__doc__)
+
+
 def _wrap_worker_init(original):
     """Apply the worker-scope patches in the worker process, before its model runner exists."""
 
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        registry.apply("worker")
-        return original(self, *args, **kwargs)
+    def __init__(self, vllm_config, *args, **kwargs):
+        if is_gsd(vllm_config.speculative_config):
+            registry.apply("worker")
+        return original(self, vllm_config, *args, **kwargs)
 
     return __init__
 
@@ -157,6 +170,12 @@ CONFIG_PATCHES = [
         wrap=_wrap_vllm_config_post_init,
     ),
     Patch(
+        target="vllm.config.vllm:VllmConfig.num_lookahead_tokens",
+        why="reserve KV slots for the draft's graph rows past the verified tree",
+        scope="config",
+        wrap=_wrap_num_lookahead_tokens,
+    ),
+    Patch(
         target="vllm.v1.worker.worker_base:WorkerBase.__init__",
         why="apply worker-scope patches lazily, inside worker processes",
         scope="config",
@@ -168,7 +187,71 @@ CONFIG_PATCHES = [
 # Worker layer (inside vLLM workers, before the model runner is built)
 # ---------------------------------------------------------------------------------------------
 
-WORKER_PATCHES: list[Patch] = []
+
+def _install_cpu_attention(backend_enum) -> None:
+    from vllm.v1.attention.backends.registry import register_backend
+
+    register_backend(backend_enum.CPU_ATTN, "vllm_gsd.engine.cpu_attention.GsdCpuAttentionBackend")
+
+
+def _add_gsd_stats_method(worker_cls) -> None:
+    from vllm_gsd.engine.metrics import worker_gsd_stats
+
+    worker_cls.gsd_stats = worker_gsd_stats
+
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+
+WORKER_PATCHES: list[Patch] = [
+    Patch(
+        target="vllm.v1.attention.backends.registry:AttentionBackendEnum",
+        why="CPU_ATTN with the graph mask for tree rows (vLLM's backend registry)",
+        scope="worker",
+        mutate=_install_cpu_attention,
+    ),
+    Patch(
+        target="vllm.v1.worker.worker_base:WorkerBase",
+        why="a `gsd_stats` worker method, so LLM.collective_rpc can read GSD's figures",
+        scope="worker",
+        mutate=_add_gsd_stats_method,
+    ),
+    Patch(
+        target=f"{_RUNNER}.__init__",
+        why="GSD drafter and tree scorer in the draft_model slots of the V1 runner",
+        scope="worker",
+        wrap=runner_hooks.wrap_runner_init,
+    ),
+    Patch(
+        target=f"{_RUNNER}._prepare_inputs",
+        why="tree rows rotated at tree_base + depth; the graph mask for the target forward",
+        scope="worker",
+        wrap=runner_hooks.wrap_prepare_inputs,
+    ),
+    Patch(
+        target=f"{_RUNNER}.execute_model",
+        why="the graph mask lives for the target forward only",
+        scope="worker",
+        wrap=runner_hooks.wrap_execute_model,
+    ),
+    Patch(
+        target=f"{_RUNNER}.propose_draft_token_ids",
+        why="draft the graph after bookkeeping, from the sampled tokens",
+        scope="worker",
+        wrap=runner_hooks.wrap_propose_draft_token_ids,
+    ),
+    Patch(
+        target=f"{_RUNNER}._input_fits_in_drafter",
+        why="room for the tree is checked per request, not for the whole batch",
+        scope="worker",
+        wrap=runner_hooks.wrap_input_fits_in_drafter,
+    ),
+    Patch(
+        target=f"{_RUNNER}.initialize_metadata_builders",
+        why="attention groups for the draft's layers",
+        scope="worker",
+        wrap=runner_hooks.wrap_initialize_metadata_builders,
+    ),
+]
 
 
 def declare_all() -> None:

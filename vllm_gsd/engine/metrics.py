@@ -1,0 +1,107 @@
+"""GSD's own figures, beside vLLM's speculative-decoding metrics.
+
+vLLM already reports what the scheduler sees (drafts, draft tokens, accepted tokens, per-position
+acceptance; for a tree the mean acceptance length is the figure that matters). What only the
+worker knows is counted here, per worker process:
+
+* `gsd_trees_verified`, `gsd_nodes_verified`, `gsd_accepted_nodes`: verification;
+* `gsd_graph_nodes_drafted`, `gsd_merges`, `gsd_draft_expansions_saved`, `gsd_draft_tokens_computed`:
+  drafting (draft tokens computed = catch-up tokens + one per expanded graph row);
+* `gsd_paths_through_merge`: verified trees whose accepted path used a merged node.
+
+They are exported as Prometheus counters `vllm:gsd_*` (the OpenAI server collects worker
+processes through vLLM's multiprocess registry, so they appear on /metrics), logged every
+`LOG_INTERVAL_S` seconds by the worker, and readable offline with `gsd_stats(llm)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, fields
+
+logger = logging.getLogger("vllm_gsd")
+
+LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class GsdStats:
+    steps: int = 0
+    trees_verified: int = 0
+    nodes_verified: int = 0
+    accepted_nodes: int = 0
+    paths_through_merge: int = 0
+    graph_nodes_drafted: int = 0
+    merges: int = 0
+    draft_expansions_saved: int = 0
+    draft_tokens_computed: int = 0
+
+    def summary(self) -> str:
+        trees = max(self.trees_verified, 1)
+        return (
+            f"GSD metrics: trees verified: {self.trees_verified}, nodes per tree: "
+            f"{self.nodes_verified / trees:.1f}, accepted nodes per tree: "
+            f"{self.accepted_nodes / trees:.2f}, graph nodes drafted: {self.graph_nodes_drafted}, "
+            f"merges: {self.merges}, draft expansions saved: {self.draft_expansions_saved}, "
+            f"accepted paths through a merge: {100.0 * self.paths_through_merge / trees:.1f}%, "
+            f"draft tokens computed: {self.draft_tokens_computed}"
+        )
+
+
+class GsdMetrics:
+    """Accumulates GsdStats in a worker and exports them."""
+
+    def __init__(self) -> None:
+        self.stats = GsdStats()
+        self._counters = None
+        self._exported = GsdStats()
+        self._last_log = time.monotonic()
+
+    def add(self, **increments: int) -> None:
+        for name, value in increments.items():
+            setattr(self.stats, name, getattr(self.stats, name) + int(value))
+
+    def step_done(self) -> None:
+        self.stats.steps += 1
+        self._export()
+        now = time.monotonic()
+        if now - self._last_log >= LOG_INTERVAL_S and self.stats.trees_verified:
+            self._last_log = now
+            logger.info(self.stats.summary())
+
+    def _export(self) -> None:
+        counters = self._prometheus_counters()
+        if counters is None:
+            return
+        for field in fields(GsdStats):
+            delta = getattr(self.stats, field.name) - getattr(self._exported, field.name)
+            if delta:
+                counters[field.name].inc(delta)
+        self._exported = GsdStats(**asdict(self.stats))
+
+    def _prometheus_counters(self):
+        if self._counters is None:
+            try:
+                from prometheus_client import Counter
+            except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+                self._counters = {}
+                return None
+            self._counters = {
+                f.name: Counter(f"vllm:gsd_{f.name}", f"GSD: {f.name.replace('_', ' ')}")
+                for f in fields(GsdStats)
+            }
+        return self._counters or None
+
+
+def worker_gsd_stats(worker) -> dict:
+    """The worker's figures as a dict (installed as the worker method `gsd_stats`)."""
+    runner = getattr(worker, "model_runner", None)
+    metrics = getattr(runner, "_gsd_metrics", None)
+    return asdict(metrics.stats) if metrics is not None else {}
+
+
+def gsd_stats(llm) -> GsdStats:
+    """GSD figures of an offline `vllm.LLM` (from its first worker)."""
+    per_worker = llm.collective_rpc("gsd_stats")
+    return GsdStats(**per_worker[0]) if per_worker and per_worker[0] else GsdStats()
