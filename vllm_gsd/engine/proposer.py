@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_gsd.engine.eligibility import tree_refusal_reason
+from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
 from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree
 
@@ -176,8 +177,19 @@ class GsdProposer(DraftModelProposer):
         stats.graph_nodes += int(tree.num_graph_nodes.sum())
         stats.merges += int(tree.num_merges.sum())
         stats.expansions_saved += int(tree.expansions_saved.sum())
+        self._check_ranks_agree(req_ids, drafts)
         self._record(stats)
         return drafts
+
+    def _check_ranks_agree(self, req_ids: list[str], drafts: list[list[int]]) -> None:
+        if self.vllm_config.parallel_config.tensor_parallel_size == 1:
+            return
+        from vllm.distributed import get_tp_group
+
+        parents = [self.trees[r].parent_row.tolist() if r in self.trees else [] for r in req_ids]
+        group = get_tp_group()
+        check_same_on_all_ranks(tree_fingerprint(drafts, parents), group.cpu_group,
+                                group.rank_in_group)
 
     # ------------------------------------------------------------------------------ steps
 

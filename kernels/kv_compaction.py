@@ -1,0 +1,130 @@
+"""KV compaction after tree acceptance: pull the accepted path's KV down to contiguous slots.
+
+For request ``b`` the verified tree row ``r`` was written at KV position ``tree_base[b] + r``.
+After acceptance the path is ``accepted_rows[b, 0..a]`` (``accepted_rows[b, 0] = 0``, the root,
+which is already in place; ``a = num_accepted[b]``). For ``k = 1..a`` the KV of row
+``accepted_rows[b, k]`` moves to position ``tree_base[b] + k``, in every layer, keys and values.
+
+Overlap safety: along a path rows strictly increase and ``accepted_rows[b, k] >= k``. A copy
+walking ``k`` ascending therefore never reads a position it has already overwritten (it writes
+``tree_base + j`` for ``j < k`` and reads ``tree_base + accepted_rows[b, k] >= tree_base + k``).
+The Triton kernel gives each (request, slice of heads*dims) to one program that walks ``k``
+ascending; programs touch disjoint elements, so there is no race. The reference gathers every
+source first and then scatters.
+
+``kv_caches``: one tensor per layer, in a layout of paged_layout.py (``"gpu"``
+``[2, nb, bs, Hkv, D]``, ``"gpu_bhnc"`` or ``"cpu"`` ``[nb, Hkv, bs, 2*D]``). Positions must
+be below ``block_table.shape[1] * block_size``; rows of requests with ``num_accepted = 0`` are
+left alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton_compat import jit, next_pow2, require_triton, tl
+from .paged_layout import split_kv_cache
+
+__all__ = ["compact_kv", "compact_kv_ref"]
+
+
+def _moves(block_table, block_size, tree_base, accepted_rows, num_accepted):
+    """(src_block, src_off, dst_block, dst_off) int64 index vectors of every move."""
+    n1 = accepted_rows.shape[1]
+    dev = accepted_rows.device
+    k = torch.arange(1, n1, device=dev)
+    valid = k[None, :] <= num_accepted.to(dev).long()[:, None]  # [B, N]
+    base = tree_base.to(dev).long()[:, None]
+    src = (base + accepted_rows[:, 1:].long().clamp(min=0))[valid]
+    dst = (base + k[None, :]).expand_as(valid)[valid]
+    req = torch.arange(accepted_rows.shape[0], device=dev)[:, None].expand_as(valid)[valid]
+    bt = block_table.long()
+    return bt[req, src // block_size], src % block_size, bt[req, dst // block_size], dst % block_size
+
+
+def compact_kv_ref(
+    kv_caches: list[torch.Tensor],
+    block_table: torch.Tensor,  # int32 [B, max_blocks]
+    block_size: int,
+    tree_base: torch.Tensor,  # int32 [B]
+    accepted_rows: torch.Tensor,  # int64 [B, N + 1], -1 padded
+    num_accepted: torch.Tensor,  # int [B]
+    layout: str = "gpu",
+) -> None:
+    """Torch compaction, in place: gather all sources, then scatter (overlap-safe)."""
+    sb, so, db, do = _moves(block_table, block_size, tree_base, accepted_rows, num_accepted)
+    if sb.numel() == 0:
+        return
+    for kv_cache in kv_caches:
+        for cache in split_kv_cache(kv_cache, layout):  # canonical [nb, bs, Hkv, D] views
+            assert cache.shape[1] == block_size, f"cache block size {cache.shape[1]} != {block_size}"
+            cache[db, do] = cache[sb, so]  # RHS is a gathered copy
+
+
+@jit
+def _compact_kv_kernel(
+    K, V, BLOCK_TABLE, TREE_BASE, ACC_ROWS, NUM_ACC,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt, stride_ar,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    # This program owns a fixed slice of the (head, dim) plane for every position it touches.
+    idx = chunk * BLOCK_HD + tl.arange(0, BLOCK_HD)
+    ok = idx < NUM_KV_HEADS * HEAD_DIM
+    h = idx // HEAD_DIM
+    d = idx % HEAD_DIM
+    k_inner = h * stride_kh + d * stride_kd
+    v_inner = h * stride_vh + d * stride_vd
+    n_acc = tl.load(NUM_ACC + b).to(tl.int32)
+    base = tl.load(TREE_BASE + b)
+    # Ascending k: each source row >= k was not yet overwritten (see module docstring).
+    for k in range(1, n_acc + 1):
+        row = tl.load(ACC_ROWS + b * stride_ar + k).to(tl.int32)
+        if row != k:
+            src = base + row
+            dst = base + k
+            src_blk = tl.load(BLOCK_TABLE + b * stride_bt + src // PAGE).to(tl.int64)
+            dst_blk = tl.load(BLOCK_TABLE + b * stride_bt + dst // PAGE).to(tl.int64)
+            src_off = src % PAGE
+            dst_off = dst % PAGE
+            kx = tl.load(K + src_blk * stride_kb + src_off * stride_ks + k_inner, mask=ok)
+            vx = tl.load(V + src_blk * stride_vb + src_off * stride_vs + v_inner, mask=ok)
+            tl.store(K + dst_blk * stride_kb + dst_off * stride_ks + k_inner, kx, mask=ok)
+            tl.store(V + dst_blk * stride_vb + dst_off * stride_vs + v_inner, vx, mask=ok)
+
+
+def compact_kv(
+    kv_caches: list[torch.Tensor],
+    block_table: torch.Tensor,  # int32 [B, max_blocks]
+    block_size: int,
+    tree_base: torch.Tensor,  # int32 [B]
+    accepted_rows: torch.Tensor,  # int64 [B, N + 1], -1 padded
+    num_accepted: torch.Tensor,  # int [B]
+    layout: str = "gpu",
+) -> None:
+    """Triton compaction, in place; one launch per layer (keys and values together)."""
+    require_triton("compact_kv")
+    num_reqs = accepted_rows.shape[0]
+    if num_reqs == 0 or accepted_rows.shape[1] <= 1:
+        return
+    accepted_rows = accepted_rows.contiguous()
+    block_table = block_table.contiguous()
+    tree_base = tree_base.contiguous()
+    num_accepted = num_accepted.contiguous()
+    for kv_cache in kv_caches:
+        k, v = split_kv_cache(kv_cache, layout)
+        _, page, num_kv_heads, head_dim = k.shape
+        assert page == block_size, f"cache block size {page} != block_size {block_size}"
+        plane = num_kv_heads * head_dim
+        block_hd = min(1024, next_pow2(plane))
+        grid = (num_reqs, -(-plane // block_hd))
+        _compact_kv_kernel[grid](
+            k, v, block_table, tree_base, accepted_rows, num_accepted,
+            *k.stride(), *v.stride(), block_table.stride(0), accepted_rows.stride(0),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_HD=block_hd,
+            num_warps=4,
+        )

@@ -1,0 +1,95 @@
+"""CPU cost of one GSD step's graph work: drafting bookkeeping (all levels) + build_tree + greedy
+acceptance, on synthetic draft top-k (random softmaxes). The draft/target forwards are not timed.
+
+    python scripts/bench_graph.py [--batch 64] [--budget 64] [--top-k 4] [--max-depth 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vllm_gsd.graph import GraphBuilder, GraphParams, greedy_accept
+
+
+def synthetic_inputs(params: GraphParams, batch: int, vocab: int, seed: int):
+    """Pre-drawn top-k tables so the timed loop measures only the graph code."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = batch * (params.node_budget + 1)
+    probs = torch.softmax(torch.randn(params.max_depth, rows, vocab, generator=generator) * 3.0, -1)
+    top_probs, top_ids = probs.topk(params.top_k, dim=-1)
+    roots = torch.randint(0, vocab, (batch,), generator=generator)
+    history = torch.randint(0, vocab, (batch, 4), generator=generator)
+    logits = torch.randn(batch, params.node_budget + 1, vocab, generator=generator)
+    return top_ids, top_probs, roots, history, logits
+
+
+def one_step(params, top_ids, top_probs, roots, history, target_argmax_logits):
+    builder = GraphBuilder(params, roots, history)
+    level = 0
+    while (frontier := builder.frontier()) is not None:
+        count = frontier.request_index.numel()
+        builder.expand(top_ids[level, :count], top_probs[level, :count])
+        level += 1
+    tree = builder.build_tree()
+    greedy_accept(tree.draft_token_ids, tree.parent_row, tree.num_nodes, target_argmax_logits)
+    return tree, level
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--max-depth", type=int, default=6)
+    parser.add_argument("--merge-ngram", type=int, default=1)
+    parser.add_argument("--min-child-ratio", type=float, default=0.0)
+    parser.add_argument("--leaf-prob", type=float, default=0.0)
+    parser.add_argument("--vocab", type=int, default=32, help="small vocab so merges happen")
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = GraphParams(node_budget=args.budget, top_k=args.top_k, max_depth=args.max_depth,
+                         merge_ngram=args.merge_ngram, min_child_ratio=args.min_child_ratio,
+                         leaf_prob=args.leaf_prob)
+    top_ids, top_probs, roots, history, logits = synthetic_inputs(params, args.batch, args.vocab, 0)
+    # The target logits row count is N+1; use a small vocab slice for the argmax (as the engine
+    # would pass processed logits), it is not the subject of this benchmark.
+    for _ in range(10):
+        one_step(params, top_ids, top_probs, roots, history, logits)
+    cpu, wall, phases = [], [], {"draft levels": [], "build_tree": [], "greedy": []}
+    for _ in range(args.runs):
+        c0, w0 = time.process_time(), time.perf_counter()
+        builder = GraphBuilder(params, roots, history)
+        level = 0
+        while (frontier := builder.frontier()) is not None:
+            count = frontier.request_index.numel()
+            builder.expand(top_ids[level, :count], top_probs[level, :count])
+            level += 1
+        w1 = time.perf_counter()
+        tree = builder.build_tree()
+        w2 = time.perf_counter()
+        greedy_accept(tree.draft_token_ids, tree.parent_row, tree.num_nodes, logits)
+        w3 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
+        wall.append(w3 - w0)
+        phases["draft levels"].append(w1 - w0)
+        phases["build_tree"].append(w2 - w1)
+        phases["greedy"].append(w3 - w2)
+    print(f"B={args.batch} N={args.budget} top_k={args.top_k} max_depth={args.max_depth} "
+          f"merge_ngram={args.merge_ngram} vocab={args.vocab} threads={args.threads}")
+    print(f"levels={level} graph nodes/request={tree.num_graph_nodes.float().mean():.1f} "
+          f"tree nodes/request={tree.num_nodes.float().mean():.1f} "
+          f"merges/request={tree.num_merges.float().mean():.2f}")
+    print(f"per step: wall median {statistics.median(wall) * 1e3:.3f} ms (min {min(wall) * 1e3:.3f}), "
+          f"CPU (process_time) median {statistics.median(cpu) * 1e3:.3f} ms (min {min(cpu) * 1e3:.3f})")
+    for name, values in phases.items():
+        print(f"  {name:>12}: {statistics.median(values) * 1e3:.3f} ms wall (min {min(values) * 1e3:.3f})")
+
+
+if __name__ == "__main__":
+    main()

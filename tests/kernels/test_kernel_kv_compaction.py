@@ -1,0 +1,85 @@
+"""compact_kv (Triton) against compact_kv_ref and a sequential python oracle, over every
+layout, several layers, paths crossing block edges, nothing/everything accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_testutils import gen, make_paged_kv, pad_trees, randint, random_parents
+from vllm_gsd.kernels import compact_kv, compact_kv_ref, split_kv_cache
+
+
+def _random_paths(g, trees, n_budget):
+    """A random root-to-node path per tree (children pick), as accepted_rows/num_accepted."""
+    b = len(trees)
+    rows = torch.full((b, n_budget + 1), -1, dtype=torch.int64)
+    acc = torch.zeros(b, dtype=torch.int64)
+    for i, ps in enumerate(trees):
+        path, r = [0], 0
+        while True:
+            kids = [c + 1 for c, p in enumerate(ps) if p == r]
+            if not kids or randint(g, 0, 5) == 0:
+                break
+            r = kids[randint(g, 0, len(kids) - 1)]
+            path.append(r)
+        rows[i, : len(path)] = torch.tensor(path)
+        acc[i] = len(path) - 1
+    return rows, acc
+
+
+def _oracle(kv_caches, layout, block_table, block_size, tree_base, rows, acc):
+    for kv in kv_caches:
+        for cache in split_kv_cache(kv, layout):
+            for b in range(rows.shape[0]):
+                for k in range(1, int(acc[b]) + 1):  # ascending sequential copy
+                    src = int(tree_base[b]) + int(rows[b, k])
+                    dst = int(tree_base[b]) + k
+                    sb, db = int(block_table[b, src // block_size]), int(block_table[b, dst // block_size])
+                    cache[db, dst % block_size] = cache[sb, src % block_size].clone()
+
+
+@pytest.mark.parametrize("seed,layout,dtype,block_size,hkv,d,n_budget", [
+    (1, "gpu", torch.float32, 16, 2, 32, 24),
+    (2, "cpu", torch.bfloat16, 32, 3, 16, 40),
+    (3, "gpu_bhnc", torch.float16, 16, 1, 80, 12),
+    (4, "gpu", torch.bfloat16, 128, 4, 64, 256),
+])
+def test_triton_and_reference_match_sequential_copy(seed, layout, dtype, block_size, hkv, d, n_budget):
+    g = gen(seed)
+    kinds = ("chain", "random", "star", "random", "chain")
+    trees = [random_parents([n_budget, randint(g, 1, n_budget), 0, n_budget, 3][i], g, kinds[i])
+             for i in range(5)]
+    ctxs = [block_size - 3, 0, 7, 2 * block_size - 1, block_size]
+    seq_lens = [c + len(t) + 1 for c, t in zip(ctxs, trees)]
+    rows, acc = _random_paths(g, trees, n_budget)
+    rows[0, :] = torch.arange(n_budget + 1)  # chain fully accepted: nothing moves
+    acc[0] = n_budget
+    # One block table shared by every layer (as in vLLM); each layer's whole cache random,
+    # including slots no request owns (they must come out unchanged).
+    paged = make_paged_kv(seq_lens, hkv, d, block_size, dtype, layout, g)
+    block_table = paged.block_table
+    layers = [torch.randn(paged.kv_cache.shape, generator=g).to(dtype) for _ in range(3)]
+    tree_base = torch.tensor(ctxs, dtype=torch.int32)
+
+    expect = [kv.clone() for kv in layers]
+    _oracle(expect, layout, block_table, block_size, tree_base, rows, acc)
+    via_ref = [kv.clone() for kv in layers]
+    compact_kv_ref(via_ref, block_table, block_size, tree_base, rows, acc, layout=layout)
+    via_triton = [kv.clone() for kv in layers]
+    compact_kv(via_triton, block_table, block_size, tree_base, rows, acc, layout=layout)
+    for e, r, t in zip(expect, via_ref, via_triton):
+        assert torch.equal(r, e), "reference != sequential copy"
+        assert torch.equal(t, e), "triton != sequential copy"
+    assert any(not torch.equal(e, kv) for e, kv in zip(expect, layers)), "test moved nothing"
+
+
+def test_nothing_accepted_is_a_no_op():
+    g = gen(9)
+    p = make_paged_kv([20, 5], 2, 16, 16, torch.float32, "gpu", g, poison=0.0)
+    before = p.kv_cache.clone()
+    rows = torch.full((2, 9), -1, dtype=torch.int64)
+    rows[:, 0] = 0
+    compact_kv([p.kv_cache], p.block_table, 16, torch.tensor([3, 1], dtype=torch.int32), rows,
+               torch.zeros(2, dtype=torch.int64))
+    assert torch.equal(before, p.kv_cache)

@@ -1,0 +1,286 @@
+"""Property tests of GraphBuilder + unrolling on random drafts (small vocab so merges are common)."""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_gsd.graph import GraphBuilder, GraphParams, ancestor_words_from_parents
+from graph_refs import ancestor_words_reference  # noqa: E402
+
+
+def random_topk(generator: torch.Generator, num_rows: int, vocab: int, k: int, quantize: bool):
+    """Draft top-k (ids, probs descending) from random softmaxes; quantized probs make ties."""
+    logits = torch.randn(num_rows, vocab, generator=generator, dtype=torch.float64) * 2.0
+    probs = torch.softmax(logits, -1)
+    if quantize:
+        probs = torch.round(probs * 8) / 8 + 1e-3
+        probs = probs / probs.sum(-1, keepdim=True)
+    top_probs, top_ids = probs.topk(min(k, vocab), dim=-1)
+    return top_ids, top_probs
+
+
+def build(params: GraphParams, batch: int, vocab: int, seed: int, quantize: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    roots = torch.randint(0, vocab, (batch,), generator=generator)
+    history = torch.randint(0, vocab, (batch, 3), generator=generator)
+    history[0, :2] = -1  # a short history, left-padded
+    builder = GraphBuilder(params, roots, history)
+    frontiers = []
+    while (frontier := builder.frontier()) is not None:
+        frontiers.append(frontier)
+        ids, probs = random_topk(generator, frontier.request_index.numel(), vocab, params.top_k, quantize)
+        builder.expand(ids, probs)
+    return builder, frontiers, history
+
+
+def out_edges(graph, b):
+    """{src: [(dst, prob, is_pseudo)]} of request b."""
+    edges: dict[int, list] = {}
+    for g in range(1, int(graph.num_nodes[b]) + 1):
+        edges.setdefault(int(graph.parent_row[b, g]), []).append((g, float(graph.edge_prob[b, g]), False))
+    for i in np.flatnonzero(graph.pseudo_request == b):
+        edges.setdefault(int(graph.pseudo_src[i]), []).append(
+            (int(graph.pseudo_dst[i]), float(graph.pseudo_prob[i]), True))
+    return edges
+
+
+def reachable_from(edges, start):
+    seen, stack = set(), [start]
+    while stack:
+        node = stack.pop()
+        for dst, _, _ in edges.get(node, []):
+            if dst not in seen:
+                seen.add(dst)
+                stack.append(dst)
+    return seen
+
+
+def primary_context(graph, history, b, g, length):
+    """The `length` tokens ending at node g along its primary path, continuing into history."""
+    tokens = []
+    node = g
+    while node >= 0 and len(tokens) < length:
+        tokens.append(int(graph.token_ids[b, node]))
+        node = int(graph.parent_row[b, node]) if node > 0 else -1
+    hist = [int(t) for t in history[b].tolist()]
+    while len(tokens) < length:
+        tokens.append(hist.pop() if hist else -1)
+    return tokens[::-1]
+
+
+def best_dag_paths(graph, edges, b, limit):
+    """Root-to-node DAG paths in descending path prob (best-first search), until `limit` paths and
+    every path tied with the last one are out. Returns [(prob, token path, uses_pseudo)]."""
+    heap = [(-1.0, 0, (), 0, False)]
+    counter = 1
+    found = []
+    while heap:
+        neg_prob, _, tokens, node, pseudo = heapq.heappop(heap)
+        if node != 0 or tokens:
+            if len(found) >= limit and -neg_prob < found[-1][0]:
+                break
+            found.append((-neg_prob, tokens, pseudo))
+        for dst, prob, is_pseudo in edges.get(node, []):
+            heapq.heappush(heap, (neg_prob * prob, counter, tokens + (int(graph.token_ids[b, dst]),), dst,
+                                  pseudo or is_pseudo))
+            counter += 1
+    return found
+
+
+def check_graph(builder, frontiers, history, params):
+    graph = builder.graph()
+    batch = graph.num_nodes.shape[0]
+    budget = params.node_budget
+    assert (graph.num_nodes <= budget).all()
+    assert len(frontiers) <= params.max_depth
+    # Frontier rows exist, sorted, at the level's depth.
+    for level, frontier in enumerate(frontiers):
+        assert (frontier.depth == level).all()
+        key = frontier.request_index * (budget + 1) + frontier.node_row
+        assert (key[1:] > key[:-1]).all()
+    merges = np.bincount(graph.pseudo_request, minlength=batch)
+    assert (merges == graph.num_merges).all()
+    assert (graph.expansions_saved <= graph.num_merges).all()
+    if not params.merging:
+        assert merges.sum() == 0
+    for b in range(batch):
+        n = int(graph.num_nodes[b])
+        for g in range(1, n + 1):
+            parent = graph.parent_row[b, g]
+            assert 0 <= parent < g  # parents precede children
+            assert graph.depth[b, g] == graph.depth[b, parent] + 1
+            assert np.isclose(graph.path_prob[b, g], graph.path_prob[b, parent] * graph.edge_prob[b, g])
+        assert (graph.token_ids[b, n + 1:] == -1).all() and (graph.parent_row[b, n + 1:] == -1).all()
+        edges = out_edges(graph, b)
+        # Acyclic: no node reaches itself.
+        for node in range(n + 1):
+            assert node not in reachable_from(edges, node)
+        # Children tokens distinct per node (pseudo children included).
+        for src, outs in edges.items():
+            tokens = [int(graph.token_ids[b, dst]) for dst, _, _ in outs]
+            assert len(tokens) == len(set(tokens))
+        # Merge rule: same token implied by dst; r preceding tokens equal; never into an ancestor.
+        for i in np.flatnonzero(graph.pseudo_request == b):
+            src, dst = int(graph.pseudo_src[i]), int(graph.pseudo_dst[i])
+            assert dst >= 1 and dst != src
+            assert src not in reachable_from(edges, dst)
+            r = params.merge_ngram
+            if r >= 1:
+                before_dst = primary_context(graph, history, b, int(graph.parent_row[b, dst]), r)
+                assert before_dst == primary_context(graph, history, b, src, r)
+            assert 0 < graph.pseudo_prob[i] <= 1  # a real draft prob
+    # Primary-tree ancestor words equal the reference from the primary parents.
+    primary_parent = torch.from_numpy(graph.parent_row[:, 1:].copy())
+    expected = ancestor_words_from_parents(primary_parent, torch.from_numpy(graph.num_nodes))
+    assert torch.equal(builder.draft_ancestor_words, expected)
+    return graph
+
+
+def check_tree(tree, graph, params):
+    budget = params.node_budget
+    batch = graph.num_nodes.shape[0]
+    assert tree.draft_token_ids.shape == (batch, budget)
+    assert tree.ancestor_words.dtype == torch.int32
+    assert torch.equal(tree.ancestor_words, ancestor_words_reference(tree.parent_row, tree.num_nodes, budget))
+    for b in range(batch):
+        n = int(tree.num_nodes[b])
+        assert n <= budget
+        parents = tree.parent_row[b].tolist()
+        depths = [0] + tree.depth[b].tolist()
+        for i in range(n):
+            assert 0 <= parents[i] < i + 1
+            assert depths[i + 1] == depths[parents[i]] + 1
+            assert i == 0 or depths[i + 1] >= depths[i]  # breadth-first: every prefix is a tree
+        assert tree.draft_token_ids[b, n:].eq(-1).all() and tree.parent_row[b, n:].eq(-1).all()
+        assert tree.depth[b, n:].eq(0).all() and tree.graph_row[b, n:].eq(-1).all()
+        # Root-to-node token paths of the tree.
+        paths = {0: ((), 1.0, False)}
+        for i in range(n):
+            ptokens, pprob, pvia = paths[parents[i]]
+            graph_row = int(tree.graph_row[b, i])
+            token = int(tree.draft_token_ids[b, i])
+            assert token == graph.token_ids[b, graph_row]
+            paths[i + 1] = (ptokens + (token,), float(tree.path_prob[b, i]), bool(tree.via_merge[b, i]))
+        tree_paths = {tokens: (prob, via) for tokens, prob, via in list(paths.values())[1:]}
+        assert len(tree_paths) == n  # distinct paths
+        dag = {tokens: (prob, via) for prob, tokens, via in best_dag_paths(graph, out_edges(graph, b), b, budget)}
+        # Every tree node is a DAG path with the same probability and merge flag.
+        for tokens, (prob, via) in tree_paths.items():
+            assert tokens in dag
+            assert np.isclose(prob, dag[tokens][0], rtol=1e-12)
+            assert via == dag[tokens][1]
+        # The tree keeps the top-N paths: as many as possible, none better left out.
+        assert n == min(budget, len(dag)) or len(dag) > budget
+        if n:
+            worst_kept = min(prob for prob, _ in tree_paths.values())
+            for tokens, (prob, _) in dag.items():
+                if prob > worst_kept * (1 + 1e-12):
+                    assert tokens in tree_paths
+            probs_sorted = sorted((p for p, _ in dag.values()), reverse=True)[:n]
+            assert np.allclose(sorted((p for p, _ in tree_paths.values()), reverse=True), probs_sorted, rtol=1e-12)
+        if len(set(p for p, _ in dag.values())) == len(dag):  # no ties: the exact same set
+            top = sorted(dag.items(), key=lambda item: -item[1][0])[:budget]
+            assert set(tree_paths) == {tokens for tokens, _ in top}
+
+
+
+
+params_strategy = st.builds(
+    GraphParams,
+    node_budget=st.integers(1, 40),
+    top_k=st.integers(1, 4),
+    max_depth=st.integers(1, 6),
+    merge_ngram=st.integers(-1, 3),
+    min_child_ratio=st.sampled_from([0.0, 0.1, 0.3]),
+    leaf_prob=st.sampled_from([0.0, 0.05, 0.2]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=params_strategy, batch=st.integers(1, 4), vocab=st.integers(2, 6),
+       seed=st.integers(0, 2**31 - 1), quantize=st.booleans())
+def test_graph_and_tree_properties(params, batch, vocab, seed, quantize):
+    builder, frontiers, history = build(params, batch, vocab, seed, quantize)
+    graph = check_graph(builder, frontiers, history, params)
+    check_tree(builder.build_tree(), graph, params)
+
+
+def test_merges_happen_and_save_expansions():
+    params = GraphParams(node_budget=40, top_k=3, max_depth=5, merge_ngram=0)
+    builder, _, _ = build(params, batch=4, vocab=4, seed=1)
+    tree = builder.build_tree()
+    assert tree.num_merges.sum() > 0 and tree.expansions_saved.sum() > 0
+    assert tree.via_merge.any()
+
+
+def test_no_merge_builds_plain_topk_tree():
+    params = GraphParams(node_budget=1 + 3 + 9, top_k=3, max_depth=2, merge_ngram=-1)
+    builder, frontiers, _ = build(params, batch=2, vocab=8, seed=3)
+    tree = builder.build_tree()
+    assert len(frontiers) == 2
+    assert tree.num_nodes.tolist() == [12, 12]
+    assert not tree.via_merge.any()
+    assert tree.depth[:, :3].eq(1).all() and tree.depth[:, 3:12].eq(2).all()
+
+
+def test_merge_into_same_level_sibling_branch():
+    # Root 7 -> children a=1, b=2; both propose token 5; with r = 0 the second 5 merges.
+    params = GraphParams(node_budget=8, top_k=2, max_depth=2, merge_ngram=0)
+    builder = GraphBuilder(params, torch.tensor([7]), torch.full((1, 2), -1))
+    builder.expand(torch.tensor([[1, 2]]), torch.tensor([[0.6, 0.4]]))
+    frontier = builder.frontier()
+    assert frontier.node_row.tolist() == [1, 2]
+    builder.expand(torch.tensor([[5, 3], [5, 4]]), torch.tensor([[0.5, 0.5], [0.9, 0.1]]))
+    graph = builder.graph()
+    # The leader is the 5 with the larger path prob (0.4 * 0.9 = 0.36 > 0.3), created under row 2.
+    assert graph.num_nodes.tolist() == [5]
+    assert graph.pseudo_src.tolist() == [1] and graph.token_ids[0, graph.pseudo_dst[0]] == 5
+    assert graph.parent_row[0, graph.pseudo_dst[0]] == 2
+    assert graph.num_merges.tolist() == [1]
+    tree = builder.build_tree()
+    assert tree.num_nodes.tolist() == [6]  # 5 graph nodes + 1 copy of the merged 5
+    assert tree.via_merge.sum().item() == 1
+
+
+def test_merge_never_closes_a_cycle():
+    # Chain 9 -> 1 -> 2; then node 2 proposes token 1: with r = 0 the existing 1 is an ancestor
+    # of 2, so a new node is made instead of a pseudo edge.
+    params = GraphParams(node_budget=8, top_k=1, max_depth=3, merge_ngram=0)
+    builder = GraphBuilder(params, torch.tensor([9]), torch.full((1, 1), -1))
+    builder.expand(torch.tensor([[1]]), torch.tensor([[0.9]]))
+    builder.expand(torch.tensor([[2]]), torch.tensor([[0.9]]))
+    builder.expand(torch.tensor([[1]]), torch.tensor([[0.9]]))
+    graph = builder.graph()
+    assert graph.num_merges.tolist() == [0]
+    assert graph.num_nodes.tolist() == [3]
+
+
+def test_merge_ngram_uses_history_for_shallow_nodes():
+    # r = 2: the depth-1 node 4 has preceding tokens (h=3, root=8). A deeper node whose last two
+    # tokens are (3, 8) proposing 4 merges into it.
+    params = GraphParams(node_budget=10, top_k=2, max_depth=3, merge_ngram=2)
+    builder = GraphBuilder(params, torch.tensor([8]), torch.tensor([[-1, 3]]))
+    builder.expand(torch.tensor([[4, 3]]), torch.tensor([[0.6, 0.4]]))  # rows 1 (4), 2 (3)
+    builder.expand(torch.tensor([[5, 6], [8, 6]]), torch.tensor([[0.5, 0.5], [0.5, 0.5]]))  # row 5 = 8 under 3
+    frontier = builder.frontier()
+    rows = frontier.node_row.tolist()
+    ids = torch.tensor([[7, 1]] * len(rows))
+    ids[rows.index(5)] = torch.tensor([4, 1])
+    builder.expand(ids, torch.full((len(rows), 2), 0.5))
+    graph = builder.graph()
+    assert graph.pseudo_src.tolist() == [5] and graph.pseudo_dst.tolist() == [1]
+
+
+def test_params_validation():
+    with pytest.raises(ValueError, match="top_k"):
+        GraphParams(node_budget=4, top_k=0)
+    with pytest.raises(ValueError, match="merge_ngram"):
+        GraphParams(node_budget=4, merge_ngram=-2)
+    with pytest.raises(ValueError, match="node_budget"):
+        GraphParams(node_budget=0)
