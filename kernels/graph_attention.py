@@ -30,12 +30,11 @@ any strides) or ``layout="cpu"`` (vLLM CPU_ATTN's chunk views; see paged_layout.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 
-from ._triton_compat import interpreting, jit, next_pow2, require_triton, tl, triton
+from ._triton_compat import interpreting, jit, next_pow2, require_triton, tl
 from .paged_layout import canonical_kv
 
 __all__ = ["graph_attention", "graph_attention_ref", "visibility_mask"]

@@ -378,7 +378,6 @@ def bench_config(b, n, ctx, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16):
         FAILURES.append(f"bench B={b} N={n} ctx={ctx}: graph vs SDPA max err {err:.3g}")
         log(f"FAIL  bench config B={b} N={n} ctx={ctx}: graph vs SDPA max err {err:.3g}")
     tg, tc, ts = bench_ms(graph), bench_ms(causal), bench_ms(sdpa)
-    del kd, vd, kv
     return tg, tc, ts
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_gsd.kernels.paged_layout import canonical_kv, cpu_kv_cache_shape, gpu_kv_cache_shape, split_kv_cache
+from vllm_gsd.kernels.paged_layout import cpu_kv_cache_shape, gpu_kv_cache_shape, split_kv_cache
 
 
 def gen(seed: int) -> torch.Generator:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testutils import gen, make_paged_kv, pad_trees, randint, random_parents
+from kernel_testutils import gen, make_paged_kv, randint, random_parents
 from vllm_gsd.kernels import compact_kv, compact_kv_ref, split_kv_cache
 
 
