@@ -115,6 +115,7 @@ def _wrap_vllm_config_post_init(original):
                 raise ValueError(
                     "pipeline_parallel_size > 1 is not supported with speculative method 'gsd'"
                 )
+            _select_gsd_attention(self)
         return original(self)
 
     return __post_init__
@@ -130,6 +131,33 @@ def _wrap_num_lookahead_tokens(original: property) -> property:
         return original.fget(self)
 
     return property(num_lookahead_tokens, doc=original.__doc__)
+
+
+def _select_gsd_attention(vllm_config) -> None:
+    """The graph mask exists in two backends: CPU_ATTN (CPU) and TRITON_ATTN (CUDA)."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if current_platform.is_cpu():
+        return
+    if not current_platform.is_cuda():
+        raise ValueError(
+            f"speculative method 'gsd' runs on CPU and CUDA only, not on {current_platform.device_name}"
+        )
+    triton = AttentionBackendEnum.TRITON_ATTN
+    chosen = vllm_config.attention_config.backend
+    if chosen not in (None, triton):
+        raise ValueError(
+            f"attention_config.backend={chosen.name} is not supported with speculative method "
+            "'gsd' on CUDA: the graph mask lives in TRITON_ATTN; leave the backend unset"
+        )
+    vllm_config.attention_config.backend = triton
+    vllm_config.speculative_config.attention_backend = triton
+    compilation = vllm_config.compilation_config
+    if compilation.cudagraph_mode is None:
+        # The mask changes every step: attention must run outside captured graphs.
+        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 def _wrap_worker_init(original):
@@ -188,10 +216,11 @@ CONFIG_PATCHES = [
 # ---------------------------------------------------------------------------------------------
 
 
-def _install_cpu_attention(backend_enum) -> None:
+def _install_graph_attention(backend_enum) -> None:
     from vllm.v1.attention.backends.registry import register_backend
 
     register_backend(backend_enum.CPU_ATTN, "vllm_gsd.engine.cpu_attention.GsdCpuAttentionBackend")
+    register_backend(backend_enum.TRITON_ATTN, "vllm_gsd.engine.gpu_attention.GsdTritonAttentionBackend")
 
 
 def _add_gsd_stats_method(worker_cls) -> None:
@@ -205,9 +234,9 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 WORKER_PATCHES: list[Patch] = [
     Patch(
         target="vllm.v1.attention.backends.registry:AttentionBackendEnum",
-        why="CPU_ATTN with the graph mask for tree rows (vLLM's backend registry)",
+        why="CPU_ATTN and TRITON_ATTN with the graph mask for tree rows (vLLM's backend registry)",
         scope="worker",
-        mutate=_install_cpu_attention,
+        mutate=_install_graph_attention,
     ),
     Patch(
         target="vllm.v1.worker.worker_base:WorkerBase",

@@ -29,6 +29,15 @@ class TreeMask:
     ancestor_words: torch.Tensor  # int32 [Bt, R, W]
     query_tree_row: torch.Tensor  # int32 [T]: tree row of every query token of the forward, -1 = causal
 
+    def full_batch(self, num_reqs: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """tree_base int32 [num_reqs] and ancestor_words int32 [num_reqs, R, W] for the whole
+        batch (zeros for requests without tree rows; their rows are all causal)."""
+        tree_base = torch.zeros(num_reqs, dtype=torch.int32)
+        tree_base[self.request_index] = self.tree_base.cpu()
+        words = torch.zeros((num_reqs, *self.ancestor_words.shape[1:]), dtype=torch.int32)
+        words[self.request_index] = self.ancestor_words.cpu()
+        return tree_base.to(device), words.to(device)
+
 
 _current: TreeMask | None = None
 

@@ -1,0 +1,248 @@
+#!/usr/bin/env python
+"""Benchmark: GSD against no speculation, vLLM's ngram and vLLM's draft_model chain, in one run.
+
+Every configuration runs the same target/draft pair, the same prompts and the same machine; each
+gets its own engine, reused across batch sizes. For batch size b the prompts are generated b at a
+time (b requests in flight). Greedy outputs of every configuration are checked token-identical to
+no speculation.
+
+    .venv/bin/python scripts/bench.py --pair qwen            # the realistic pair (downloads ~1.6 GB once)
+    .venv/bin/python scripts/bench.py --quick                # tiny pair, a few minutes (CI smoke test)
+
+Writes <out>/results.md (one table, ratios to no speculation), <out>/results.json and, when
+matplotlib is present, <out>/tokens_per_s.png and <out>/acceptance_length.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Row:
+    config: str
+    batch: int
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float
+    mean_acceptance_length: float | None = None
+    draft_tokens_per_accepted: float | None = None
+    nodes_per_step: float | None = None
+    merges: int | None = None
+    draft_expansions_saved: int | None = None
+    identical_to_no_spec: bool | None = None
+    ratio_to_no_spec: float | None = None
+    notes: str = ""
+
+
+@dataclass
+class Pair:
+    name: str
+    target: str
+    draft: str
+    dtype: str
+    max_model_len: int
+    prompts: list[str] = field(default_factory=list)
+
+
+def resolve_pair(name: str, num_prompts: int) -> Pair:
+    from vllm_gsd.testing import prompts as prompt_sets
+
+    if name == "tiny":
+        from vllm_gsd.testing.tiny_models import tiny_draft, tiny_target
+
+        texts = prompt_sets.tiny_prompts(num_prompts)
+        return Pair("tiny", str(tiny_target()), str(tiny_draft("perturbed")), "float32", 1024, texts)
+    if name == "qwen":
+        from vllm_gsd.testing.real_models import prepare_qwen_pair
+
+        target, draft = prepare_qwen_pair()
+        half = (num_prompts + 1) // 2
+        texts = prompt_sets.humaneval_prompts(half) + prompt_sets.mtbench_prompts(num_prompts - half)
+        return Pair("qwen", str(target), str(draft), "bfloat16", 2048, texts)
+    raise SystemExit(f"unknown pair {name!r}: use tiny or qwen")
+
+
+def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
+    gsd_knobs = {"top_k": 3, "max_depth": depth, "min_child_ratio": 0.1, "leaf_prob": 0.02}
+    return {
+        "no_spec": None,
+        "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+        "draft_model_k2": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 2},
+        "draft_model_k4": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 4},
+        "draft_model_k6": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 6},
+        "gsd_tree": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 12,
+                     "gsd": {**gsd_knobs, "merge_ngram": -1}},
+        "gsd_graph": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 12,
+                      "gsd": {**gsd_knobs, "merge_ngram": 1}},
+    }
+
+
+def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max_tokens: int,
+               prompt_token_ids: list[list[int]]) -> tuple[list[Row], dict[int, list[list[int]]]]:
+    from vllm import LLM, SamplingParams
+
+    from vllm_gsd.engine.metrics import gsd_stats
+    from vllm_gsd.testing.engines import mean_acceptance_length, spec_metrics
+
+    llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
+              enforce_eager=True, disable_log_stats=False, max_num_seqs=max(batches),
+              speculative_config=spec)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    rows, outputs = [], {}
+    for batch in batches:
+        before = spec_metrics(llm) if spec else {}
+        stats_before = gsd_stats(llm) if spec and spec["method"] == "gsd" else None
+        outs, start = [], time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        outputs[batch] = tokens
+        total = sum(len(t) for t in tokens)
+        row = Row(name, batch, total, round(seconds, 2), round(total / seconds, 2))
+        if spec:
+            row.mean_acceptance_length = round(mean_acceptance_length(llm, before), 2)
+            after = spec_metrics(llm)
+            drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+            draft_tokens = (after["vllm:spec_decode_num_draft_tokens"]
+                            - before.get("vllm:spec_decode_num_draft_tokens", 0))
+            accepted = total
+            if stats_before is not None:
+                stats = gsd_stats(llm)
+                row.draft_tokens_per_accepted = round(
+                    (stats.draft_tokens_computed - stats_before.draft_tokens_computed) / max(accepted, 1), 2)
+                trees = stats.trees_verified - stats_before.trees_verified
+                row.nodes_per_step = round((stats.nodes_verified - stats_before.nodes_verified) / max(trees, 1), 1)
+                row.merges = stats.merges - stats_before.merges
+                row.draft_expansions_saved = stats.draft_expansions_saved - stats_before.draft_expansions_saved
+            elif spec["method"] == "draft_model":
+                # The chain runs one draft token per position drafted, plus the catch-up.
+                row.draft_tokens_per_accepted = round(draft_tokens / max(accepted, 1), 2)
+                row.nodes_per_step = round(draft_tokens / max(drafts, 1), 1)
+            else:
+                row.nodes_per_step = round(draft_tokens / max(drafts, 1), 1)
+        rows.append(row)
+        print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
+              + (f", mean acceptance length {row.mean_acceptance_length}" if spec else ""), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return rows, outputs
+
+
+def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+    lines = [
+        f"# Benchmark: {pair.name} pair ({Path(pair.target).name} / {Path(pair.draft).name}, {pair.dtype})",
+        "",
+        f"{meta['machine']}; vLLM {meta['vllm']}; {meta['num_prompts']} prompts x {meta['max_tokens']} "
+        f"new tokens, greedy; generated {meta['date']} by `scripts/bench.py {meta['argv']}`.",
+        "",
+        "| config | batch | tok/s | x no-spec | mean acc. len | draft tok / accepted tok | nodes / step "
+        "| merges | draft exp. saved | = no-spec |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+    ]
+    fmt = lambda v: "" if v is None else str(v)  # noqa: E731
+    for r in rows:
+        same = "" if r.identical_to_no_spec is None else ("yes" if r.identical_to_no_spec else "**NO**")
+        lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
+                     f"{fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
+                     f"{fmt(r.nodes_per_step)} | {fmt(r.merges)} | {fmt(r.draft_expansions_saved)} | {same} |")
+    (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for metric, label, fname in (("tokens_per_s", "output tokens/s", "tokens_per_s.png"),
+                                 ("mean_acceptance_length", "mean acceptance length", "acceptance_length.png")):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for config in dict.fromkeys(r.config for r in rows):
+            pts = [(r.batch, getattr(r, metric)) for r in rows if r.config == config and getattr(r, metric)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=config)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size (requests in flight)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{label}, {pair.name} pair")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=100)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="qwen", choices=["tiny", "qwen"])
+    parser.add_argument("--quick", action="store_true", help="tiny pair, few prompts (CI smoke test)")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--depth", type=int, default=4, help="draft depth of gsd (draft_model K=depth compares)")
+    parser.add_argument("--configs", default="", help="comma list; default all")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.pair, args.batches, args.num_prompts, args.max_tokens = "tiny", "1,8", 8, 32
+        args.configs = args.configs or "no_spec,draft_model_k4,gsd_tree,gsd_graph"
+    out_dir = Path(args.out or REPO / "docs" / "bench" / args.pair)
+    batches = [int(b) for b in args.batches.split(",")]
+    pair = resolve_pair(args.pair, args.num_prompts)
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair.target)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"][: pair.max_model_len - args.max_tokens - 64]
+                  for p in pair.prompts]
+    configs = configurations(pair, args.depth)
+    if args.configs:
+        configs = {k: configs[k] for k in args.configs.split(",")}
+    if "no_spec" not in configs:
+        configs = {"no_spec": None, **configs}
+
+    rows, reference = [], None
+    for name, spec in configs.items():
+        print(f"[bench] {name}", flush=True)
+        config_rows, outputs = run_config(pair, name, spec, batches, args.max_tokens, prompt_ids)
+        if name == "no_spec":
+            reference = outputs
+        for row in config_rows:
+            base = next(r for r in rows + config_rows if r.config == "no_spec" and r.batch == row.batch)
+            row.ratio_to_no_spec = round(row.tokens_per_s / base.tokens_per_s, 2)
+            if name != "no_spec":
+                row.identical_to_no_spec = outputs[row.batch] == reference[row.batch]
+        rows += config_rows
+
+    import vllm
+
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm.__version__,
+            "num_prompts": len(prompt_ids), "max_tokens": args.max_tokens,
+            "date": time.strftime("%Y-%m-%d"), "argv": " ".join(sys.argv[1:] if argv is None else argv)}
+    write_results(out_dir, pair, rows, meta)
+    print((out_dir / "results.md").read_text())
+    mismatches = [r for r in rows if r.identical_to_no_spec is False and r.config.startswith("gsd")]
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
