@@ -97,17 +97,16 @@ def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max
     from vllm import LLM, SamplingParams
 
     from vllm_gsd.engine.metrics import gsd_stats
-    from vllm_gsd.testing.engines import mean_acceptance_length, spec_metrics
+    from vllm_gsd.testing.engines import acceptance_of
 
     llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
-              enforce_eager=True, disable_log_stats=False, max_num_seqs=max(batches),
-              speculative_config=spec)
+              enforce_eager=True, max_num_seqs=max(batches), speculative_config=spec,
+              **({"per_request_spec_decode_metrics": "summary"} if spec else {}))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     rows, outputs = [], {}
     for batch in batches:
-        before = spec_metrics(llm) if spec else {}
         stats_before = gsd_stats(llm) if spec and spec["method"] == "gsd" else None
         outs, start = [], time.perf_counter()
         for i in range(0, len(prompts), batch):
@@ -118,11 +117,10 @@ def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max
         total = sum(len(t) for t in tokens)
         row = Row(name, batch, total, round(seconds, 2), round(total / seconds, 2))
         if spec:
-            row.mean_acceptance_length = round(mean_acceptance_length(llm, before), 2)
-            after = spec_metrics(llm)
-            drafts = after["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
-            draft_tokens = (after["vllm:spec_decode_num_draft_tokens"]
-                            - before.get("vllm:spec_decode_num_draft_tokens", 0))
+            drafts, accepted_drafts = acceptance_of(outs)
+            row.mean_acceptance_length = round(1.0 + accepted_drafts / max(drafts, 1), 2)
+            draft_tokens = sum(c.spec_decode_metrics.num_draft_tokens for o in outs for c in o.outputs
+                               if c.spec_decode_metrics is not None)
             accepted = total
             if stats_before is not None:
                 stats = gsd_stats(llm)

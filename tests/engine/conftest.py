@@ -1,0 +1,88 @@
+"""Real vLLM engines on tiny models, shared by every engine test of the session.
+
+Engines are expensive (about 20 s each on 2 cores), so each configuration starts once per test
+session. Exactness is tested in float32: in bf16 vLLM's own greedy output depends on the batch
+it runs in (see shared/reference/cpu-environment.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+pytest.importorskip("vllm")
+
+from vllm_gsd.testing.engines import GSD_KNOBS, WIDE_GSD, gsd_config, make_llm  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models():
+    from vllm_gsd.testing.tiny_models import tiny_draft, tiny_target
+
+    return {"target": str(tiny_target()), "perturbed": str(tiny_draft("perturbed")),
+            "same": str(tiny_draft("same"))}
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_models["target"])
+
+
+class _Engines:
+    """Lazily started engines, kept for the session."""
+
+    def __init__(self, models):
+        self.models = models
+        self._llms = {}
+
+    def get(self, name: str):
+        if name not in self._llms:
+            target = self.models["target"]
+            if name == "target":
+                llm = make_llm(target)
+            elif name == "gsd":
+                llm = make_llm(target, gsd_config(self.models["perturbed"]))
+            elif name == "gsd_wide":
+                llm = make_llm(target, gsd_config(self.models["perturbed"], WIDE_GSD["num_speculative_tokens"],
+                                                  **WIDE_GSD["gsd"]))
+            elif name == "gsd_same":
+                llm = make_llm(target, gsd_config(self.models["same"]))
+            elif name == "gsd_tp2":
+                # Two CPU workers need one core each (shared/reference/cpu-environment.md).
+                previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+                try:
+                    llm = make_llm(target, gsd_config(self.models["perturbed"]),
+                                   tensor_parallel_size=2)
+                finally:
+                    if previous is None:
+                        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+                    else:
+                        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = previous
+            elif name == "draft_model":
+                llm = make_llm(target, {"method": "draft_model", "model": self.models["perturbed"],
+                                        "num_speculative_tokens": GSD_KNOBS["max_depth"]})
+            else:
+                raise KeyError(name)
+            self._llms[name] = llm
+        return self._llms[name]
+
+    def close(self):
+        for llm in self._llms.values():
+            llm.llm_engine.engine_core.shutdown()
+        self._llms.clear()
+        gc.collect()
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_models):
+    pool = _Engines(tiny_models)
+    yield pool
+    pool.close()

@@ -1,0 +1,70 @@
+"""Tiny-model vLLM engines for tests and benchmarks: configurations and counter readers.
+
+Exactness is tested in float32: in bf16 vLLM's own greedy output depends on the batch it runs
+in (shared/reference/cpu-environment.md).
+"""
+
+from __future__ import annotations
+
+
+MAX_MODEL_LEN = 512  # tests/engine/test_*.py assume this
+NODE_BUDGET = 24
+GSD_KNOBS = {"top_k": 3, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.05, "leaf_prob": 0.0}
+# The widest tree vLLM's plumbing allows, at the chain's depth: for the acceptance comparison.
+WIDE_GSD = {"num_speculative_tokens": 128,
+            "gsd": {"top_k": 4, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.0, "leaf_prob": 0.0}}
+
+
+def make_llm(model: str, speculative_config: dict | None = None, **kwargs):
+    from vllm import LLM
+
+    args = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+                seed=0, disable_log_stats=False, max_num_seqs=64, gpu_memory_utilization=0.5)
+    if speculative_config is not None:
+        args["per_request_spec_decode_metrics"] = "summary"
+    args.update(kwargs)
+    return LLM(**args, speculative_config=speculative_config)
+
+
+def gsd_config(draft: str, node_budget: int = NODE_BUDGET, **knobs) -> dict:
+    return {"method": "gsd", "model": draft, "num_speculative_tokens": node_budget,
+            "gsd": {**GSD_KNOBS, **knobs}}
+
+
+def acceptance_of(outputs) -> tuple[int, int]:
+    """(verify steps, accepted draft tokens) summed over vLLM's per-request spec-decode metrics
+    (engines made with per_request_spec_decode_metrics="summary"). Unlike the process-wide
+    counters of `get_metrics()`, these belong to the engine that produced the outputs."""
+    steps = accepted = 0
+    for out in outputs:
+        for completion in out.outputs:
+            metrics = completion.spec_decode_metrics
+            if metrics is not None:
+                steps += sum(metrics.histogram)
+                accepted += sum(j * count for j, count in enumerate(metrics.histogram))
+    return steps, accepted
+
+
+def mean_acceptance_length_of(outputs) -> float:
+    """vLLM's mean acceptance length (accepted drafts + the target's token per step)."""
+    steps, accepted = acceptance_of(outputs)
+    return 1.0 + accepted / max(steps, 1)
+
+
+def spec_metrics(llm) -> dict[str, object]:
+    """vLLM's speculative-decoding counters from `get_metrics()`. Only the engine created last
+    in a process records into them (vLLM re-registers its loggers per engine)."""
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            out[metric.name] = getattr(metric, "values", getattr(metric, "value", None))
+    return out
+
+
+def mean_acceptance_length(llm, before: dict | None = None) -> float:
+    now = spec_metrics(llm)
+    before = before or {}
+    drafts = now["vllm:spec_decode_num_drafts"] - before.get("vllm:spec_decode_num_drafts", 0)
+    accepted = (now["vllm:spec_decode_num_accepted_tokens"]
+                - before.get("vllm:spec_decode_num_accepted_tokens", 0))
+    return 1.0 + accepted / max(drafts, 1)
