@@ -24,12 +24,13 @@ def _run(llm, prompts, params):
     {"presence_penalty": 0.8, "frequency_penalty": 0.4},
     {"min_tokens": 12},
     {"logit_bias": {5: 3.0, 17: -2.0}},
+    {"min_p": 0.3, "temperature": 0.0},
     {"bad_words": ["def"]},
 ])
 def test_unsupported_option_is_served_exactly(engines, tokenizer, option):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=24, **option)
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, **option})
     prompts = _prompts(tokenizer)
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     # The option's requests run beside tree requests in one batch.
@@ -55,7 +56,9 @@ def test_logprobs_along_accepted_paths(engines, tokenizer):
 def test_n_greater_than_one(engines, tokenizer):
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=3)
-    got = _run(engines.get("gsd"), _prompts(tokenizer)[:1], params)[0]
-    want = _run(engines.get("target"), _prompts(tokenizer)[:1], params)[0]
-    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True, n=3)
+    first = _run(engines.get("gsd"), _prompts(tokenizer)[:1], params)[0]
+    again = _run(engines.get("gsd"), _prompts(tokenizer)[:1], params)[0]
+    assert len(first.outputs) == 3 and all(len(c.token_ids) == 16 for c in first.outputs)
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1

@@ -66,14 +66,19 @@ def test_the_distribution_test_has_power(engines, tokenizer, target_samples):
     assert p < 1e-4
 
 
-def test_seeded_sampling_is_reproducible(engines, tokenizer):
+def test_seeded_sampling_is_reproducible_in_any_batch(engines, tokenizer):
     ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     llm = engines.get("gsd")
     prompts = [{"prompt_token_ids": ids}] * 6
     params = [_params(seed=42 + i, max_tokens=24) for i in range(6)]
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     second = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert first == second
+    # In another batch (other requests beside them, other trees), the seeded text is the same.
+    others = [{"prompt_token_ids": ids[:3]}] * 5
+    mixed = llm.generate(others + prompts, [_params(seed=None, max_tokens=30)] * 5 + params,
+                         use_tqdm=False)
+    third = [o.outputs[0].token_ids for o in mixed[5:]]
+    assert first == second == third
     assert len(set(map(tuple, first))) > 1  # different seeds do sample differently
 
 

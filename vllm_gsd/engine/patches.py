@@ -160,6 +160,19 @@ def _select_gsd_attention(vllm_config) -> None:
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
+def _wrap_validate_spec_decode(original):
+    """min_p and logit_bias requests are served without speculation under gsd
+    (engine/eligibility.py), so they need not be refused as vLLM does for linear drafts."""
+
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config):
+        if is_gsd(speculative_config):
+            return None
+        return original(self, speculative_config)
+
+    return _validate_spec_decode
+
+
 def _wrap_worker_init(original):
     """Apply the worker-scope patches in the worker process, before its model runner exists."""
 
@@ -202,6 +215,12 @@ CONFIG_PATCHES = [
         why="reserve KV slots for the draft's graph rows past the verified tree",
         scope="config",
         wrap=_wrap_num_lookahead_tokens,
+    ),
+    Patch(
+        target="vllm.sampling_params:SamplingParams._validate_spec_decode",
+        why="serve min_p / logit_bias requests (without a tree) instead of refusing them",
+        scope="config",
+        wrap=_wrap_validate_spec_decode,
     ),
     Patch(
         target="vllm.v1.worker.worker_base:WorkerBase.__init__",

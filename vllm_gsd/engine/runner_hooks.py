@@ -30,8 +30,10 @@ class VerifyStep:
     """The trees verified in this step, by runner batch index."""
 
     parent_row: list[torch.Tensor | None]  # per request: int64 [n] or None (no drafts)
+    depth: list[torch.Tensor | None]  # per request: int64 [n]
     via_merge: list[torch.Tensor | None]
     tree_base: np.ndarray  # int64 [B]: KV position of row 0 (the root)
+    seed: list[int | None]  # per request: sampling seed, if any
 
 
 def _gsd_runner(runner) -> bool:
@@ -132,7 +134,9 @@ def _prepare_tree_verification(runner, scheduler_output, num_scheduled_tokens: n
     query_start = np.zeros(num_reqs + 1, dtype=np.int64)
     np.cumsum(num_scheduled_tokens[:num_reqs], out=query_start[1:])
     parent_rows: list[torch.Tensor | None] = [None] * num_reqs
+    depths: list[torch.Tensor | None] = [None] * num_reqs
     via_merge: list[torch.Tensor | None] = [None] * num_reqs
+    seeds: list[int | None] = [None] * num_reqs
     tree_base = np.zeros(num_reqs, dtype=np.int64)
     query_tree_row = np.full(int(query_start[-1]), -1, dtype=np.int32)
     tree_requests = []
@@ -155,10 +159,13 @@ def _prepare_tree_verification(runner, scheduler_output, num_scheduled_tokens: n
         first = int(query_start[i]) + root_offset
         positions[first + 1: first + 1 + num_nodes] = (base + depth).to(positions.device)
         query_tree_row[first: first + 1 + num_nodes] = np.arange(num_nodes + 1)
-        parent_rows[i], tree_base[i] = parent, base
+        parent_rows[i], depths[i], tree_base[i] = parent, depth, base
+        params = runner.requests[req_id].sampling_params
+        seeds[i] = None if params is None else params.seed
         tree_requests.append(i)
 
-    step = VerifyStep(parent_row=parent_rows, via_merge=via_merge, tree_base=tree_base)
+    step = VerifyStep(parent_row=parent_rows, depth=depths, via_merge=via_merge,
+                      tree_base=tree_base, seed=seeds)
     runner.rejection_sampler.verify_step = step
     if not tree_requests:
         set_graph_mask(None)

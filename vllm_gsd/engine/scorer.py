@@ -10,8 +10,9 @@ The target's token at every row:
 * row 0 (the root): vLLM's own Sampler, on the root rows of the whole batch, so requests without
   a tree (and their penalties, processors, seeds) are sampled exactly as without speculation;
 * rows >= 1 of a greedy request: the same greedy argmax vLLM uses;
-* rows >= 1 of a random request: a draw from the row's distribution after temperature, top-k and
-  top-p (vLLM's `apply_sampling_constraints`), with uniforms from the request's own generator.
+* every row of a random request with a tree: a draw from the row's distribution after
+  temperature, top-k and top-p (vLLM's `apply_top_k_top_p`); a seeded request's uniforms are keyed
+  by the position of the token drawn, so its text is the same in any batch.
 The walk (vllm_gsd.graph.walk_tree) follows the child equal to the row's token, or emits it and
 stops. Every emitted token is thus the target's own choice (greedy) or a real draw from the
 target's distribution (sampling) given its accepted prefix: exact, for any tree.
@@ -24,16 +25,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
-from vllm.v1.sample.rejection_sampler import (
-    RejectionSampler,
-    apply_sampling_constraints,
-    generate_uniform_probs,
-)
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
 from vllm_gsd.graph import AcceptedPaths, sample_rows, walk_tree
+from vllm_gsd.graph.counter_rng import counter_uniforms
 
 _SAMPLING_EPS = 1e-5
 
@@ -90,26 +90,54 @@ class GsdRejectionSampler(RejectionSampler):
     # --------------------------------------------------------------------------------------
 
     def _fill_node_rows(self, row_target, logits, num_draft, row_start, sampling_metadata):
-        """Target token at rows 1..n of every request (greedy argmax, or a seeded draw)."""
+        """The target's token at the rows of every request with a tree.
+
+        Greedy: vLLM's greedy argmax at rows 1..n (row 0 came from vLLM's sampler). Random: every
+        row 0..n draws from its processed distribution by inverse CDF; a seeded request's uniform
+        is keyed by the absolute position of the token drawn (graph/counter_rng.py), so its text
+        does not depend on the trees or the batch; others use the global generator.
+        """
         device = logits.device
         batch_size = len(num_draft)
         total_rows = logits.shape[0]
         request_of_row = torch.repeat_interleave(
             torch.arange(batch_size), torch.tensor(num_draft) + 1).to(device)
         local_row = torch.arange(total_rows, device=device) - row_start.to(device)[request_of_row]
-        node_rows = local_row > 0
+        has_tree = (torch.tensor(num_draft) > 0).to(device)[request_of_row]
 
         row_logits = logits.to(torch.float32)
-        token = Sampler.greedy_sample(row_logits.clone())  # what vLLM's greedy sampler picks
+        token = Sampler.greedy_sample(row_logits.clone()).long()  # what vLLM's greedy sampler picks
+        fill = has_tree & (local_row > 0)
         if not sampling_metadata.all_greedy:
-            cu_rows = torch.cumsum(torch.tensor(num_draft, device=device) + 1, 0)
-            processed = apply_sampling_constraints(row_logits.clone(), cu_rows, sampling_metadata)
-            uniforms = generate_uniform_probs(total_rows, [n + 1 for n in num_draft],
-                                              sampling_metadata.generators, device)
-            drawn = sample_rows(torch.softmax(processed, dim=-1), uniforms)
+            # vLLM's processing of draft rows (temperature, then top-k/top-p), with the per-row
+            # expansion done here: vLLM's CPU expand kernel mishandles int32 inputs and its
+            # Triton one stops at 128 rows per request.
             temperature = sampling_metadata.temperature.to(device)[request_of_row]
-            token = torch.where(temperature < _SAMPLING_EPS, token.long(), drawn)
-        row_target[request_of_row[node_rows], local_row[node_rows]] = token[node_rows].long()
+            is_greedy = temperature < _SAMPLING_EPS
+            processed = row_logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(-1))
+            top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[request_of_row]
+            top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[request_of_row]
+            processed = apply_top_k_top_p(processed, top_k, top_p)
+            uniforms = self._row_uniforms(num_draft, device)
+            drawn = sample_rows(torch.softmax(processed, dim=-1), uniforms)
+            token = torch.where(is_greedy, token, drawn)
+            fill = fill | (has_tree & ~is_greedy)
+        row_target[request_of_row[fill], local_row[fill]] = token[fill]
+
+    def _row_uniforms(self, num_draft, device) -> torch.Tensor:
+        """float64 [total rows]: uniforms for every verification row of the batch."""
+        step = self.verify_step
+        uniforms = torch.rand(sum(n + 1 for n in num_draft), dtype=torch.float64)
+        start = 0
+        for b, n in enumerate(num_draft):
+            seed = step.seed[b] if step is not None else None
+            if n and seed is not None:
+                # Row r samples the token at absolute position tree_base + depth(r) + 1.
+                depth = np.concatenate([[0], step.depth[b][:n].numpy()])
+                positions = step.tree_base[b] + depth + 1
+                uniforms[start:start + n + 1] = torch.from_numpy(counter_uniforms(seed, positions))
+            start += n + 1
+        return uniforms.to(device)
 
     def _count(self, num_draft, accepted: AcceptedPaths) -> None:
         step = self.verify_step
