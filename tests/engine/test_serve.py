@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -48,7 +49,10 @@ def gsd_server(tiny_models, tmp_path_factory):
         "--seed", "0", "--chat-template", CHAT_TEMPLATE, "--speculative-config", json.dumps(spec),
     ]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    # Worker-side counters (GSD's own) reach /metrics through Prometheus' multiprocess mode.
+    metrics_dir = tmp_path_factory.mktemp("prometheus")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -92,12 +96,14 @@ def test_completions_equal_offline_target(gsd_server, engines, tiny_models):
         assert reply.json()["choices"][0]["text"] == want
 
 
-def test_chat_equals_offline_target(gsd_server, engines, tiny_models, tokenizer):
+def test_chat_equals_offline_target(gsd_server, engines, tiny_models):
+    from vllm import SamplingParams
+
     url, _ = gsd_server
     messages = [{"role": "user", "content": "write a loop"}]
-    prompt_text = tokenizer.apply_chat_template(messages, chat_template=CHAT_TEMPLATE,
-                                                add_generation_prompt=True, tokenize=False)
-    want = _offline_greedy(engines, [prompt_text], 20)[0]
+    want = engines.get("target").chat(
+        messages, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        chat_template=CHAT_TEMPLATE, use_tqdm=False)[0].outputs[0].text
     reply = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
         "model": tiny_models["target"], "messages": messages, "max_tokens": 20,
         "temperature": 0.0, "ignore_eos": True})
