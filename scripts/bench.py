@@ -68,12 +68,13 @@ def resolve_pair(name: str, num_prompts: int) -> Pair:
         texts = prompt_sets.tiny_prompts(num_prompts)
         return Pair("tiny", str(tiny_target()), str(tiny_draft("perturbed")), "float32", 1024, texts)
     if name == "qwen":
-        from vllm_gsd.testing.real_models import prepare_qwen_pair
+        from vllm_gsd.testing.real_models import prepare_pair
 
-        target, draft = prepare_qwen_pair()
+        pair = prepare_pair("qwen")
         half = (num_prompts + 1) // 2
-        texts = prompt_sets.humaneval_prompts(half) + prompt_sets.mtbench_prompts(num_prompts - half)
-        return Pair("qwen", str(target), str(draft), "bfloat16", 2048, texts)
+        questions = prompt_sets.humaneval_prompts(half) + prompt_sets.mtbench_prompts(num_prompts - half)
+        texts = prompt_sets.as_chat(pair.target, questions)
+        return Pair("qwen", str(pair.target), str(pair.draft), "bfloat16", 2048, texts)
     raise SystemExit(f"unknown pair {name!r}: use tiny or qwen")
 
 
