@@ -1,0 +1,27 @@
+"""`scripts/bench.py --quick` runs end to end and writes its table (CI smoke test)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_benchmark_writes_results(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    configs = {r["config"] for r in rows}
+    assert {"no_spec", "draft_model_k4", "gsd_graph"} <= configs
+    gsd = [r for r in rows if r["config"] == "gsd_graph"]
+    assert all(r["identical_to_no_spec"] for r in gsd)  # float32 tiny pair: exact
+    assert all(r["mean_acceptance_length"] > 1.0 for r in gsd)
+    assert "| gsd_graph |" in (tmp_path / "results.md").read_text()
