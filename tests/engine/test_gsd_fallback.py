@@ -62,3 +62,16 @@ def test_n_greater_than_one(engines, tokenizer):
     assert len(first.outputs) == 3 and all(len(c.token_ids) == 16 for c in first.outputs)
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+
+
+def test_structured_output_is_served_exactly(engines, tokenizer):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8,
+                            structured_outputs=StructuredOutputsParams(choice=["import os", "def f"]))
+    prompts = _prompts(tokenizer)
+    got = _run(engines.get("gsd"), prompts, params)
+    want = _run(engines.get("target"), prompts, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    assert all(o.outputs[0].text in ("import os", "def f") for o in got)
