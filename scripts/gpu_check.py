@@ -126,7 +126,8 @@ def check(name: str, fn) -> None:
 
 
 def graph_ref(module: str, attr: str):
-    return TU.find_graph_ref([(module, attr)])
+    """The graph room's torch reference (vllm_gsd.graph imports no vLLM)."""
+    return getattr(importlib.import_module(module), attr)
 
 
 # ---------------------------------------------------------------------------------- helpers

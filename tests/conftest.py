@@ -1,8 +1,7 @@
 """Shared model-path fixtures (session scoped). Nothing else belongs here.
 
 Tiny models are built on first use (about 45 s on two cores, then cached in $VLLM_GSD_CACHE or
-~/.cache/vllm-gsd). Real pairs are never prepared by the tests: run
-`scripts/prepare_models.py --pair all` once; until then the fixtures skip.
+~/.cache/vllm-gsd). Real pairs are not used by the tests (scripts/prepare_models.py, demo and bench prepare them).
 """
 
 from __future__ import annotations
@@ -34,24 +33,3 @@ def tiny_other_vocab_path() -> Path:
     from vllm_gsd.testing.tiny_models import tiny_draft_other_vocab
 
     return tiny_draft_other_vocab()
-
-
-def _prepared_pair(name: str):
-    from vllm_gsd.testing.real_models import prepared_pair_or_none
-
-    pair = prepared_pair_or_none(name)
-    if pair is None:
-        pytest.skip(f"real pair {name!r} not prepared: run scripts/prepare_models.py --pair {name}")
-    return pair
-
-
-@pytest.fixture(scope="session")
-def qwen_pair_paths():
-    """ModelPair(target=Qwen2.5-Coder-1.5B-Instruct, draft=0.5B-Instruct) in bf16; skips if not prepared."""
-    return _prepared_pair("qwen")
-
-
-@pytest.fixture(scope="session")
-def smollm_pair_paths():
-    """ModelPair(target=SmolLM2-135M-Instruct, draft=its 24-layer self-draft) in bf16; skips if not prepared."""
-    return _prepared_pair("smollm")

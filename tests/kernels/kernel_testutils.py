@@ -5,7 +5,6 @@ Imported by the tests as a sibling module (pytest prepends this directory to sys
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 
@@ -76,19 +75,6 @@ def ancestor_words_loop(parent_row: torch.Tensor, num_nodes: torch.Tensor) -> to
                 word |= 1 << (c % 32)
                 out[i, r, c // 32] = word - (1 << 32) if word >= (1 << 31) else word
     return out
-
-
-def find_graph_ref(names: list[tuple[str, str]]):
-    """First importable ``module:attr`` among names, else None (the graph/ room's torch
-    references are written concurrently by another helper)."""
-    for mod, attr in names:
-        try:
-            m = importlib.import_module(mod)
-        except ImportError:
-            continue
-        if hasattr(m, attr):
-            return getattr(m, attr)
-    return None
 
 
 # ------------------------------------------------------------------------------------------

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testutils import find_graph_ref, gen, pad_trees, randint, random_parents
+from kernel_testutils import gen, pad_trees, randint, random_parents
+from vllm_gsd.graph.acceptance import walk_tree as torch_ref
 from vllm_gsd.kernels import walk_tree
-
-torch_ref = find_graph_ref([("vllm_gsd.graph.acceptance", "walk_tree")])
 
 
 def _walk_loop(draft, parents, num_nodes, target):
@@ -66,7 +65,6 @@ def test_triton_matches_python_oracle(seed, n_budget, batch, poison_empty):
     torch.testing.assert_close(acc, e_acc, atol=0, rtol=0)
 
 
-@pytest.mark.skipif(torch_ref is None, reason="vllm_gsd.graph.acceptance.walk_tree not written yet")
 @pytest.mark.parametrize("seed,n_budget,batch", CASES)
 def test_triton_matches_torch_reference(seed, n_budget, batch, poison_empty):
     draft, parents, num_nodes, target = _batch(seed + 50, n_budget, batch)

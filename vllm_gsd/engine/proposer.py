@@ -25,7 +25,7 @@ tree.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_gsd.engine.eligibility import tree_refusal_reason
+from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
 from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree
@@ -49,18 +50,6 @@ class ProposedTree:
     parent_row: torch.Tensor  # int64 [n]
     depth: torch.Tensor  # int64 [n]
     via_merge: torch.Tensor  # bool [n]
-
-
-@dataclass
-class DraftStepStats:
-    """What one proposal step did (summed over requests)."""
-
-    trees: int = 0
-    nodes: int = 0
-    graph_nodes: int = 0
-    merges: int = 0
-    expansions_saved: int = 0
-    draft_tokens_computed: int = 0
 
 
 @dataclass
@@ -93,16 +82,13 @@ class GsdProposer(DraftModelProposer):
         self.history_len = max(knobs.merge_ngram, 0)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, ProposedTree] = {}
-        self.last_stats = DraftStepStats()
         self._refusals_logged: set[str] = set()
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
 
-    def _record(self, stats: "DraftStepStats") -> None:
-        self.last_stats = stats
+    def _record(self, stats: GsdStats) -> None:
+        """Add this step's drafting figures to the worker's GSD metrics."""
         if self.metrics is not None:
-            self.metrics.add(graph_nodes_drafted=stats.graph_nodes, merges=stats.merges,
-                             draft_expansions_saved=stats.expansions_saved,
-                             draft_tokens_computed=stats.draft_tokens_computed)
+            self.metrics.add(**asdict(stats))
             self.metrics.step_done()
 
     # ------------------------------------------------------------------------------ public
@@ -114,7 +100,7 @@ class GsdProposer(DraftModelProposer):
         num_reqs = batch.num_reqs
         req_ids = list(batch.req_ids[:num_reqs])
         self.trees = {}
-        stats = DraftStepStats()
+        stats = GsdStats()
         drafts: list[list[int]] = [[] for _ in range(num_reqs)]
 
         catch_up = _Forward(batch_rows=np.zeros(0, dtype=np.int64))
@@ -172,11 +158,9 @@ class GsdProposer(DraftModelProposer):
             )
             self.trees[req_ids[i]] = proposed
             drafts[i] = proposed.draft_token_ids.tolist()
-            stats.trees += 1
-            stats.nodes += n
-        stats.graph_nodes += int(tree.num_graph_nodes.sum())
+        stats.graph_nodes_drafted += int(tree.num_graph_nodes.sum())
         stats.merges += int(tree.num_merges.sum())
-        stats.expansions_saved += int(tree.expansions_saved.sum())
+        stats.draft_expansions_saved += int(tree.expansions_saved.sum())
         self._check_ranks_agree(req_ids, drafts)
         self._record(stats)
         return drafts
@@ -210,7 +194,7 @@ class GsdProposer(DraftModelProposer):
         return last_slot < self.max_model_len and last_slot < allocated
 
     def _grow(self, runner, batch_rows: np.ndarray, root_pos: np.ndarray,
-              root_logits: torch.Tensor, stats: DraftStepStats) -> VerificationTree:
+              root_logits: torch.Tensor, stats: GsdStats) -> VerificationTree:
         batch = runner.input_batch
         roots = torch.from_numpy(batch.token_ids_cpu[batch_rows, root_pos].astype(np.int64))
         history = torch.full((len(batch_rows), self.history_len), -1, dtype=torch.int64)
