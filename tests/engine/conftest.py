@@ -15,8 +15,6 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-pytest.importorskip("vllm")
-
 from vllm_gsd.testing.engines import GSD_KNOBS, WIDE_GSD, gsd_config, make_llm  # noqa: E402
 
 

@@ -26,7 +26,8 @@ def tiny_llm(tiny_target_path):
     """One vLLM engine on the tiny target for the module (float32, eager)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    vllm = pytest.importorskip("vllm")
+    import vllm
+
     llm = vllm.LLM(
         str(tiny_target_path),
         enforce_eager=True,

