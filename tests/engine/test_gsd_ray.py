@@ -1,0 +1,125 @@
+"""Ray: gsd through vLLM's own Ray executor (RayExecutorV2, Ray actors as workers) on CPU.
+
+vLLM's CPU platform declares no Ray device key, so on CPU vLLM refuses Ray ("current platform
+cpu does not support ray."). The test-only platform plugin in tests/ray_cpu_platform (installed
+by scripts/setup.sh, inert unless GSD_TEST_RAY_CPU=1) gives the CPU platform the key "GPU": a
+Ray "GPU" is then a logical scheduling slot for one CPU worker (`ray.init(num_gpus=...)`
+declares them; nothing probes for a device). Everything else is vLLM's and Ray's own code:
+placement group, actors, plugin loading in the actors, gloo TP groups, the message queues.
+
+Ray runs in this process on loopback only (Ray otherwise advertises the machine's outward
+address), with no dashboard; the variables are set before `ray.init` so that the raylet, and
+through it every Ray worker, inherits them, and the engine core (a spawned child) connects
+to this cluster through RAY_ADDRESS.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import entry_points
+
+import pytest
+
+from vllm_gsd.testing.engines import gsd_config, make_llm
+from vllm_gsd.testing.worker_probes import WORKER_PROBES, tree_counts_per_rank
+
+pytestmark = pytest.mark.engine
+
+TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def push(self, x):\n",
+         "for i in range(10):\n"]
+# One Ray "GPU" slot per worker of every engine this module starts (tp 1, then tp 2), so the
+# second engine never waits for Ray to release the first one's placement group.
+RAY_WORKER_SLOTS = 3
+RAY_ENV = {
+    "GSD_TEST_RAY_CPU": "1",  # tests/ray_cpu_platform: the CPU platform with a Ray device key
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's processes: node address = 127.0.0.1
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+def test_test_platform_is_inert_without_its_variable():
+    """The test plugin is installed in the test venv: a process without GSD_TEST_RAY_CPU=1
+    gets vLLM's own CPU platform (no Ray device key), one with it the test platform."""
+    import subprocess
+    import sys
+
+    probe = ("from vllm.platforms import current_platform as p; "
+             "print(type(p).__qualname__, repr(p.ray_device_key))")
+    seen = {}
+    for value in (None, "1"):
+        env = {k: v for k, v in os.environ.items() if k != "GSD_TEST_RAY_CPU"}
+        if value is not None:
+            env["GSD_TEST_RAY_CPU"] = value
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                              timeout=120, check=True)
+        seen[value] = done.stdout.strip().splitlines()[-1]
+    assert seen == {None: "CpuPlatform ''", "1": "RayCpuPlatform 'GPU'"}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    plugins = {ep.name for ep in entry_points(group="vllm.platform_plugins")}
+    assert "gsd_test_ray_cpu" in plugins, (
+        "the test-only platform plugin tests/ray_cpu_platform is not installed; run scripts/setup.sh")
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in RAY_ENV.items():
+            patch.setenv(key, value)
+        import ray
+        import ray._private.ray_constants as ray_constants
+
+        # This process may have imported Ray before the variable was set (vLLM imports it).
+        patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        context = ray.init(num_cpus=1, num_gpus=RAY_WORKER_SLOTS, include_dashboard=False,
+                           object_store_memory=128 * 1024**2)
+        try:
+            address = context.address_info["address"]
+            assert address.startswith("127.0.0.1:"), address
+            patch.setenv("RAY_ADDRESS", address)
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in TEXTS]
+
+
+def _greedy(llm, prompts):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def target_outputs(engines, prompts):
+    """The target alone (multiprocessing executor), started before Ray's variables are set."""
+    return _greedy(engines.get("target"), prompts)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ray_executor_gsd_equals_target(target_outputs, ray_cluster, tiny_models, prompts, tp):
+    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"]), tensor_parallel_size=tp,
+                   distributed_executor_backend="ray", worker_extension_cls=WORKER_PROBES)
+    try:
+        assert _greedy(llm, prompts) == target_outputs
+        workers = llm.collective_rpc("gsd_test_worker_info")
+        counts = tree_counts_per_rank(llm)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+    # Each worker is a Ray actor that vLLM's executor created, on the test platform, with the
+    # plugin loaded and the gsd drafter built from the gsd config it received.
+    assert sorted(w["tp_rank"] for w in workers) == list(range(tp))
+    assert len({w["ray_actor_id"] for w in workers}) == tp and None not in {w["ray_actor_id"] for w in workers}
+    assert len({w["pid"] for w in workers} | {os.getpid()}) == tp + 1
+    for w in workers:
+        assert (w["platform"], w["plugin_registered"], w["method"], w["drafter"]) == (
+            "RayCpuPlatform", True, "gsd", "GsdProposer"), w
+    # GSD verified trees in every Ray worker, and every rank built and verified the same trees
+    # (the timing figures differ per rank, the counts must not).
+    assert counts[0]["trees_verified"] > 0
+    assert all(c == counts[0] for c in counts), counts
+

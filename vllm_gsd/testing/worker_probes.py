@@ -1,0 +1,88 @@
+"""Worker-side probes for engine tests, mixed into vLLM's workers by `worker_extension_cls`.
+
+Tests need to look inside the worker processes (multiprocessing or Ray actors) and, for the
+tensor-parallel agreement check, to make one rank misbehave. vLLM's own worker-extension
+mechanism does that without patching anything: the engine that names this class gets its
+methods on every worker, callable through `LLM.collective_rpc`; no other engine is affected::
+
+    llm = LLM(..., worker_extension_cls=WORKER_PROBES)
+    llm.collective_rpc("gsd_test_worker_info")        # one dict per worker
+    llm.collective_rpc("gsd_test_skew_trees", args=(1,))  # TP rank 1 now proposes other trees
+"""
+
+from __future__ import annotations
+
+import os
+
+WORKER_PROBES = "vllm_gsd.testing.worker_probes.WorkerProbes"
+# GsdStats fields that count trees and nodes: equal on every tensor-parallel rank when the ranks
+# build the same trees (the timing fields differ per rank).
+TREE_COUNTS = ("trees_verified", "nodes_verified", "accepted_nodes", "graph_nodes_drafted", "merges")
+
+
+def tree_counts_per_rank(llm) -> list[dict[str, int]]:
+    """TREE_COUNTS of every worker of an offline `vllm.LLM`, in worker order."""
+    return [{f: stats[f] for f in TREE_COUNTS} for stats in llm.collective_rpc("gsd_stats")]
+
+
+def shift_first_tokens(draft_token_ids, num_nodes, vocab_size: int) -> None:
+    """In place: the first node token of every non-empty tree, plus one (mod vocab_size).
+
+    draft_token_ids int64 [B, N] (-1 padded), num_nodes int64 [B]."""
+    has_nodes = num_nodes > 0
+    first = draft_token_ids[:, 0]
+    first[has_nodes] = (first[has_nodes] + 1) % vocab_size
+
+
+def _ray_actor_id() -> str | None:
+    """The Ray actor this process runs, or None outside Ray."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    if not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_actor_id()
+
+
+class WorkerProbes:
+    """Methods added to vLLM's worker class (self is the worker)."""
+
+    def gsd_test_worker_info(self) -> dict:
+        """Where this worker runs and what it was configured with."""
+        from vllm.distributed import get_tp_group
+        from vllm.platforms import current_platform
+
+        import vllm_gsd.plugin
+
+        spec = self.vllm_config.speculative_config
+        return {
+            "pid": os.getpid(),
+            "ray_actor_id": _ray_actor_id(),
+            "platform": type(current_platform).__qualname__,
+            "tp_rank": get_tp_group().rank_in_group,
+            "plugin_registered": vllm_gsd.plugin._registered,
+            "method": spec.method if spec is not None else None,
+            "node_budget": spec.num_speculative_tokens if spec is not None else None,
+            "drafter": type(getattr(self.model_runner, "drafter", None)).__name__,
+        }
+
+    def gsd_test_skew_trees(self, tp_rank: int) -> bool:
+        """From now on, the worker of tensor-parallel rank `tp_rank` shifts the first node token
+        of every tree it proposes, as a nondeterministic kernel or another library build on one
+        rank would make it differ. Returns whether this worker is that rank."""
+        from vllm.distributed import get_tp_group
+
+        if get_tp_group().rank_in_group != tp_rank:
+            return False
+        drafter = self.model_runner.drafter
+        vocab_size = self.model_config.get_vocab_size()  # gsd requires the draft's to equal it
+        grow = drafter._grow
+
+        def skewed_grow(*args, **kwargs):
+            tree = grow(*args, **kwargs)
+            shift_first_tokens(tree.draft_token_ids, tree.num_nodes, vocab_size)
+            return tree
+
+        drafter._grow = skewed_grow
+        return True
