@@ -127,7 +127,30 @@ def wrap_initialize_metadata_builders(original):
 # ------------------------------------------------------------------------------------------
 
 
+def _park_generators_of_discarded_rows(runner) -> None:
+    """Keep a seeded request's generator out of a step whose sampled token is discarded.
+
+    A partial prefill samples a token that is thrown away; vLLM then rewinds the request's
+    generator by its Philox offset (`_bookkeeping_sync`), which a CPU generator does not have:
+    RuntimeError, and the engine dies. Sampling that row from the global generator instead leaves
+    the request's own generator untouched, which is what the rewind means, on any device. The
+    generators dict is vLLM's own (the sampling metadata holds it), so it is changed in place, and
+    each step rebuilds it from the request states.
+    """
+    batch = runner.input_batch
+    discarded = runner.discard_request_mask.np[:batch.num_reqs]
+    for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
+        generator = runner.requests[req_id].generator
+        if generator is None:
+            continue
+        if discarded[i]:
+            batch.generators.pop(i, None)
+        else:
+            batch.generators[i] = generator
+
+
 def _prepare_tree_verification(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
+    _park_generators_of_discarded_rows(runner)
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     proposed = runner.drafter.trees

@@ -1,0 +1,171 @@
+"""Faults inside real vLLM with GSD: stops inside an accepted path, aborts mid-tree, the context
+limit at every room from 0 to past the node budget, n > 1, seeded prompts split by chunked
+prefill. Each is served as the target alone would, and leaves the other requests untouched."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_gsd.testing.engines import MAX_MODEL_LEN, NODE_BUDGET
+
+pytestmark = pytest.mark.engine
+
+TEXTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n",
+    "class Queue:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+    "for i in range(10):\n    if i % 2 == 0:\n        print(",
+    "    return self._data[key]\n",
+    "try:\n    value = int(text)\nexcept ValueError:\n",
+]
+
+
+def _prompts(tokenizer, texts=TEXTS):
+    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
+
+
+def _greedy(max_tokens, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **{"ignore_eos": True, **kw})
+
+
+def _outputs(llm, prompts, params):
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _step_by_step(llm, prompts, params, abort_after: dict[int, int] | None = None):
+    """Run through the engine's own step loop: {request: tokens after each step} and the outputs.
+
+    abort_after: request index -> the step after which that request is aborted (mid-tree)."""
+    engine = llm.llm_engine
+    abort_after = abort_after or {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    lengths = {i: [] for i in range(len(prompts))}
+    finished = {}
+    step = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id[1:])
+            lengths[i].append(len(out.outputs[0].token_ids))
+            if out.finished:
+                finished[i] = out.outputs[0]
+        step += 1
+        aborting = [f"r{i}" for i, s in abort_after.items() if s == step and i not in finished]
+        if aborting:
+            engine.abort_request(aborting)
+    return lengths, finished
+
+
+def _inside_an_accepted_path(lengths: list[int]) -> list[int]:
+    """Token indices that a step emitted with more tokens after them in the same step."""
+    inside, start = [], 0
+    for end in lengths:
+        inside += range(start, end - 1)
+        start = end
+    return inside
+
+
+def test_stops_inside_an_accepted_path_end_the_output_where_the_target_does(engines, tokenizer):
+    """A stop string or a stop token (vLLM's EOS check; the tiny target never emits EOS greedily)
+    completed by a token that is followed by more accepted tokens of the same step: the output
+    ends exactly where the target's own does, tokens and text."""
+    from vllm import SamplingParams
+
+    llm = engines.get("gsd_same")  # draft == target: deep accepted paths
+    prompts = _prompts(tokenizer)
+    lengths, full = _step_by_step(llm, prompts, _greedy(40))
+    cases = []  # (prompt, SamplingParams, the token index the stop falls on)
+    for i, prompt in enumerate(prompts):
+        ids, text = list(full[i].token_ids), full[i].text
+        for t in _inside_an_accepted_path(lengths[i]):
+            piece = tokenizer.decode(ids[t:t + 1])
+            offset = len(tokenizer.decode(ids[:t]))
+            if piece.strip() and text.find(piece) == offset and ids.index(ids[t]) == t:
+                cases.append((prompt, SamplingParams(temperature=0.0, max_tokens=40, stop=[piece]), t))
+                cases.append((prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                     stop=[piece], include_stop_str_in_output=True), t))
+                cases.append((prompt, SamplingParams(temperature=0.0, max_tokens=40,
+                                                     stop_token_ids=[ids[t]]), t))
+                break
+    assert len(cases) >= 3 * (len(prompts) - 1), "too few stops inside accepted paths"
+    got = _outputs(llm, [c[0] for c in cases], [c[1] for c in cases])
+    want = _outputs(engines.get("target"), [c[0] for c in cases], [c[1] for c in cases])
+    for (_, params, t), g, w in zip(cases, got, want):
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
+               (w.token_ids, w.text, w.finish_reason, w.stop_reason), params
+        assert g.finish_reason == "stop" and len(g.token_ids) == t + 1
+
+
+def test_aborts_mid_tree_leave_the_other_requests_exact(engines, tokenizer):
+    """Requests aborted while their trees are in flight are freed; the others' tokens are the
+    target's own, and the engine serves new requests exactly afterwards."""
+    llm = engines.get("gsd")
+    prompts = _prompts(tokenizer)
+    params = _greedy(48)
+    lengths, finished = _step_by_step(llm, prompts, params, abort_after={0: 2, 3: 4, 5: 6})
+    want = _outputs(engines.get("target"), prompts, params)
+    assert sorted(finished) == [1, 2, 4]
+    for i in (1, 2, 4):
+        assert finished[i].token_ids == want[i].token_ids
+    for i in (0, 3, 5):  # aborted mid-way, after at least one tree was verified
+        assert 1 < lengths[i][-1] < 48
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert [o.token_ids for o in _outputs(llm, prompts, params)] == [w.token_ids for w in want]
+
+
+def test_every_room_from_zero_to_past_the_node_budget(engines, tokenizer):
+    """Prompts that end exactly at the context limit, or leave room for 1..N+2 tokens (fewer
+    nodes than the budget, down to none), in one batch: each request stops at the limit as the
+    target's does."""
+    base = _prompts(tokenizer, [TEXTS[2]])[0]["prompt_token_ids"]
+    rooms = list(range(1, NODE_BUDGET + 3))
+    prompts = [{"prompt_token_ids": (base * 100)[:MAX_MODEL_LEN - room]} for room in rooms]
+    params = _greedy(NODE_BUDGET + 8)  # more than any room: the context limit stops them
+    got = _outputs(engines.get("gsd"), prompts, params)
+    want = _outputs(engines.get("target"), prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [len(g.token_ids) for g in got] == rooms
+    assert all(g.finish_reason == "length" for g in got)
+    # No room at all: vLLM refuses the prompt, as it does without speculation.
+    from vllm.exceptions import VLLMValidationError
+
+    full = [{"prompt_token_ids": (base * 100)[:MAX_MODEL_LEN]}]
+    errors = []
+    for name in ("gsd", "target"):
+        with pytest.raises(VLLMValidationError) as err:
+            engines.get(name).generate(full, params, use_tqdm=False)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "maximum model length of 512" in errors[0]
+
+
+def test_n_greater_than_one_at_top_k_one_equals_greedy(engines, tokenizer):
+    """n = 3 completions that can only follow the argmax (top_k = 1) are the target's greedy
+    tokens, each of them; vLLM itself refuses n > 1 at temperature 0."""
+    from vllm import SamplingParams
+
+    prompts = _prompts(tokenizer)[:3]
+    params = SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True)
+    got = engines.get("gsd").generate(prompts, params, use_tqdm=False)
+    want = _outputs(engines.get("target"), prompts, _greedy(24))
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [w.token_ids] * 3
+
+
+def test_seeded_prompts_split_by_chunked_prefill(engines, tokenizer):
+    """Seeded requests whose prompts the scheduler splits over steps (more prompt tokens than the
+    step's budget). vLLM rewinds the generator of a partial prefill by a CUDA Philox offset, which
+    CPU generators lack: without GSD's parking the engine died here (RuntimeError). The seeded
+    text equals the same request's text when it is prefilled at once."""
+    from vllm import SamplingParams
+
+    base = _prompts(tokenizer, [TEXTS[2]])[0]["prompt_token_ids"]
+    long = [{"prompt_token_ids": (base * 40)[k:k + 460]} for k in range(10)]  # 4600 > 4096 tokens
+    params = [SamplingParams(temperature=0.8, seed=100 + k, max_tokens=12, ignore_eos=True)
+              for k in range(10)]
+    llm = engines.get("gsd")
+    together = [o.token_ids for o in _outputs(llm, long, params)]
+    alone = [_outputs(llm, [p], q)[0].token_ids for p, q in zip(long[-2:], params[-2:])]
+    assert all(len(t) == 12 for t in together)
+    assert together[-2:] == alone
