@@ -61,7 +61,8 @@ def test_gsd_config_is_accepted_with_defaults(models):
 
 def test_gsd_knobs_are_taken(models):
     knobs = {"top_k": 2, "max_depth": 3, "merge_ngram": -1, "min_child_ratio": 0.0,
-             "leaf_prob": 0.25}
+             "leaf_prob": 0.25, "adaptive": True,
+             "cost_curve": {"target": [(1, 0.1), (16, 0.2)], "draft": [(1, 0.03)]}}
     spec = engine_config(models, gsd_spec(models, gsd=knobs)).speculative_config
     assert spec.gsd.model_dump() == knobs
 
@@ -77,6 +78,11 @@ def test_gsd_knobs_are_taken(models):
         ({"min_child_ratio": 1.5}, "gsd.min_child_ratio"),
         ({"leaf_prob": 1.0}, "gsd.leaf_prob"),
         ({"width": 3}, "gsd.width"),
+        ({"adaptive": "sometimes"}, "gsd.adaptive"),
+        ({"cost_curve": {"target": [[0, 0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),
+        ({"cost_curve": {"target": [[1, -0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),
+        ({"cost_curve": {"target": [[1, 0.1]]}}, "gsd.cost_curve.draft"),
+        ({"adaptive": False, "cost_curve": {"target": [[1, 0.1]], "draft": [[1, 0.1]]}}, "gsd"),
         ("deep", "gsd"),
     ],
 )

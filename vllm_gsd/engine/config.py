@@ -7,7 +7,9 @@ User-facing contract::
         "model": DRAFT,                    # a causal LM sharing the target's vocabulary
         "num_speculative_tokens": 24,      # node budget N: most draft nodes verified per request per step
         "gsd": {"top_k": 4, "max_depth": 6, "merge_ngram": 1,
-                "min_child_ratio": 0.2, "leaf_prob": 0.05},
+                "min_child_ratio": 0.2, "leaf_prob": 0.05,
+                "adaptive": True,           # node budget and depth chosen per step by load
+                "cost_curve": None},        # measured at start-up, or {"target": [[q, s], ...], "draft": ...}
     }
 
 `GsdConfig` validates the block (pydantic: every bad value fails with the field's name and its
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig
@@ -30,6 +32,26 @@ GSD_METHOD = "gsd"
 # vLLM 0.32's scheduler and runner size per-request speculative buffers by
 # num_speculative_tokens; 128 is the largest budget its V1 sampler plumbing accepts.
 MAX_NODE_BUDGET = 128
+
+
+CostPoints = list[tuple[PositiveInt, PositiveFloat]]
+
+
+class CostCurveConfig(BaseModel):
+    """Measured forward times, `[[query tokens, seconds], ...]`, of the target and the draft."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target: CostPoints = Field(min_length=1)
+    draft: CostPoints = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _distinct_token_counts(self) -> CostCurveConfig:
+        for name in ("target", "draft"):
+            counts = [q for q, _ in getattr(self, name)]
+            if len(set(counts)) != len(counts):
+                raise ValueError(f"cost_curve.{name}: each query-token count may appear once, got {counts}")
+        return self
 
 
 class GsdConfig(BaseModel):
@@ -48,6 +70,18 @@ class GsdConfig(BaseModel):
     """Sibling pruning: keep child j only if p_j >= min_child_ratio * p_top1."""
     leaf_prob: float = Field(default=0.05, ge=0.0, lt=1.0)
     """A node whose draft probability is below this is verified but not expanded."""
+    adaptive: bool = True
+    """Choose per step whether to draft, how deep, and how many nodes to verify, from the number of
+    running requests and the cost curves (vllm_gsd.graph.budget); False = always draft max_depth
+    levels and verify up to the node budget."""
+    cost_curve: CostCurveConfig | None = None
+    """Forward times by query tokens for the adaptive budget; None = measured at start-up."""
+
+    @model_validator(mode="after")
+    def _cost_curve_needs_adaptive(self) -> GsdConfig:
+        if self.cost_curve is not None and not self.adaptive:
+            raise ValueError("cost_curve is only used with adaptive=true (the load-adaptive node budget)")
+        return self
 
     @model_validator(mode="before")
     @classmethod

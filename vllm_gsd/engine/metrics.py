@@ -7,7 +7,14 @@ worker knows is counted here, per worker process:
 * `gsd_trees_verified`, `gsd_nodes_verified`, `gsd_accepted_nodes`: verification;
 * `gsd_graph_nodes_drafted`, `gsd_merges`, `gsd_draft_expansions_saved`, `gsd_draft_tokens_computed`:
   drafting (draft tokens computed = catch-up tokens + one per expanded graph row);
-* `gsd_paths_through_merge`: verified trees whose accepted path used a merged node.
+* `gsd_paths_through_merge`: verified trees whose accepted path used a merged node;
+* the adaptive node budget's choices: `gsd_steps_speculated` (steps that drafted), and
+  `gsd_steps_not_speculated` (steps with tree candidates that it ran as plain decoding),
+  `gsd_levels_drafted` (draft forwards, catch-up included), `gsd_nodes_offered` (tree nodes
+  drafted) and `gsd_nodes_proposed` (the nodes it chose to verify);
+* where a step's time goes (host wall time, microseconds, summed): `gsd_target_forward_us`
+  (the target's forward), `gsd_draft_step_us` (catch-up, levels and tree building),
+  `gsd_verify_us` (the tree walk with its sampling) and `gsd_kv_compaction_us`.
 
 They are exported as Prometheus counters `vllm:gsd_*` (the OpenAI server collects worker
 processes through vLLM's multiprocess registry, so they appear on /metrics), logged every
@@ -36,6 +43,15 @@ class GsdStats:
     merges: int = 0
     draft_expansions_saved: int = 0
     draft_tokens_computed: int = 0
+    steps_speculated: int = 0
+    steps_not_speculated: int = 0
+    levels_drafted: int = 0
+    nodes_offered: int = 0
+    nodes_proposed: int = 0
+    target_forward_us: int = 0
+    draft_step_us: int = 0
+    verify_us: int = 0
+    kv_compaction_us: int = 0
 
     def summary(self) -> str:
         trees = max(self.trees_verified, 1)
@@ -45,7 +61,9 @@ class GsdStats:
             f"{self.accepted_nodes / trees:.2f}, graph nodes drafted: {self.graph_nodes_drafted}, "
             f"merges: {self.merges}, draft expansions saved: {self.draft_expansions_saved}, "
             f"accepted paths through a merge: {100.0 * self.paths_through_merge / trees:.1f}%, "
-            f"draft tokens computed: {self.draft_tokens_computed}"
+            f"draft tokens computed: {self.draft_tokens_computed}, steps drafted / plain: "
+            f"{self.steps_speculated} / {self.steps_not_speculated}, nodes proposed / offered: "
+            f"{self.nodes_proposed} / {self.nodes_offered}"
         )
 
 

@@ -294,6 +294,12 @@ WORKER_PATCHES: list[Patch] = [
         wrap=runner_hooks.wrap_input_fits_in_drafter,
     ),
     Patch(
+        target=f"{_RUNNER}.initialize_kv_cache",
+        why="the adaptive node budget's cost curves, measured once the KV cache exists",
+        scope="worker",
+        wrap=runner_hooks.wrap_initialize_kv_cache,
+    ),
+    Patch(
         target=f"{_RUNNER}.initialize_metadata_builders",
         why="attention groups for the draft's layers",
         scope="worker",

@@ -8,23 +8,30 @@ returns, per request of the runner's batch, the flattened tree's node tokens (br
 docs/contracts.md), or [] where the request gets no speculation this step. The tree's shape is
 kept in `self.trees[req_id]` for the next step's verification (engine/runner_hooks.py).
 
-One step, per request of the batch:
-1. Catch-up: the draft runs causally over the tokens the target committed this step plus the new
-   root (the last sampled token), at their real positions, writing its own KV. Tree slots it
-   wrote last step are overwritten here, so the draft's cache holds only accepted tokens.
+One step, for the requests that may grow a tree (engine/eligibility.py, and room for the tree
+before the context limit and in the allocated blocks):
+0. Policy (adaptive node budget, vllm_gsd.graph.budget): at this load, is drafting expected to
+   beat plain decoding? If not, nothing runs on the draft this step.
+1. Catch-up: the draft runs causally over every token it has not seen yet, up to and including
+   the new root (the last sampled token), at their real positions, writing its own KV. That is
+   usually the tokens the target committed this step, but after steps without drafting (high
+   load, a request not eligible yet, a prefill) it is everything since the draft last ran; it
+   is cut into forwards of at most max_num_batched_tokens. Tree slots the draft wrote last step
+   are overwritten, so its cache holds only accepted tokens.
 2. Expansion: the hypothesis graph (vllm_gsd.graph.GraphBuilder) grows level by level; each level
    is ONE draft forward over the frontier rows of every request, where graph row g is written to
    KV position root_pos + g, rotated at root_pos + depth(g), and attends to the context plus its
-   primary ancestors (graph mask). The draft's top-k children feed the builder's pruning,
-   merging and node budget.
-3. The graph is unrolled into the verification tree.
-Everything here is deterministic given the batch, so every tensor-parallel rank builds the same
-tree.
+   primary ancestors (graph mask). The policy stops early when another level is not worth its cost.
+3. The graph is unrolled into the verification tree; the policy keeps each request's most likely
+   nodes, as many as maximize the batch's expected tokens per second.
+Everything here is deterministic given the batch (the cost curves are shared by all ranks), so
+every tensor-parallel rank builds the same tree.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -33,11 +40,13 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_gsd.engine.cost_calibration import budget_cost_curves
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
 from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree
+from vllm_gsd.graph.budget import NodeBudgetPolicy, keep_best_nodes
 
 logger = logging.getLogger("vllm_gsd")
 
@@ -50,6 +59,17 @@ class ProposedTree:
     parent_row: torch.Tensor  # int64 [n]
     depth: torch.Tensor  # int64 [n]
     via_merge: torch.Tensor  # bool [n]
+    path_prob: torch.Tensor  # float64 [n]: the draft's probability of the path to the node
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A request that grows a tree this step."""
+
+    batch_row: int  # index in the runner's batch
+    req_id: str
+    catch_up_from: int  # first position whose draft KV is missing
+    root_pos: int  # position of the root (the last sampled token)
 
 
 @dataclass
@@ -82,8 +102,19 @@ class GsdProposer(DraftModelProposer):
         self.history_len = max(knobs.merge_ngram, 0)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.trees: dict[str, ProposedTree] = {}
+        self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
+        # Per request: the draft's KV is valid for positions [0, value).
+        self._draft_known: dict[str, int] = {}
         self._refusals_logged: set[str] = set()
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
+
+    def prepare_policy(self, runner) -> None:
+        """Build the adaptive node budget (after the KV cache exists: it may time forwards)."""
+        knobs = self.speculative_config.gsd
+        if not knobs.adaptive or self.policy is not None:
+            return
+        target_cost, draft_cost = budget_cost_curves(runner, self, knobs.cost_curve)
+        self.policy = NodeBudgetPolicy(target_cost, draft_cost, self.node_budget, knobs.max_depth)
 
     def _record(self, stats: GsdStats) -> None:
         """Add this step's drafting figures to the worker's GSD metrics."""
@@ -97,56 +128,26 @@ class GsdProposer(DraftModelProposer):
     def propose_tree(self, runner, scheduler_output, valid_sampled_token_ids: list[list[int]]
                      ) -> list[list[int]]:
         batch = runner.input_batch
-        num_reqs = batch.num_reqs
-        req_ids = list(batch.req_ids[:num_reqs])
+        req_ids = list(batch.req_ids[:batch.num_reqs])
+        self._observe_verified(req_ids, scheduler_output, valid_sampled_token_ids)
         self.trees = {}
         stats = GsdStats()
-        drafts: list[list[int]] = [[] for _ in range(num_reqs)]
-
-        catch_up = _Forward(batch_rows=np.zeros(0, dtype=np.int64))
-        rows, root_pos = [], []
-        for i, req_id in enumerate(req_ids):
-            num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if num_scheduled == 0:
-                continue
-            num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
-            start = int(batch.num_computed_tokens_cpu[i])
-            num_sampled = len(valid_sampled_token_ids[i])
-            end = min(int(batch.num_tokens_no_spec[i]), start + num_scheduled - num_spec + num_sampled)
-            if end <= start:
-                continue
-            rows.append(i)
-            catch_up.token_ids.append(batch.token_ids_cpu[i, start:end].astype(np.int64))
-            positions = np.arange(start, end, dtype=np.int64)
-            catch_up.positions.append(positions)
-            catch_up.kv_positions.append(positions)
-            catch_up.seq_lens.append(end)
-            root_pos.append(end - 1 if num_sampled > 0 else -1)
-        if not rows:
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        candidates, num_plain = self._tree_candidates(runner, scheduler_output, req_ids,
+                                                      valid_sampled_token_ids)
+        if not candidates:
             self._record(stats)
             return drafts
-        catch_up.batch_rows = np.asarray(rows, dtype=np.int64)
-        last_index = np.cumsum([len(t) for t in catch_up.token_ids]) - 1
-        root_logits = self._forward(runner, catch_up, None, last_index)
-        stats.draft_tokens_computed += int(last_index[-1] + 1)
-
-        # Which requests grow a tree this step.
-        tree_rows, tree_root_pos, tree_logit_rows = [], [], []
-        for k, (i, pos) in enumerate(zip(rows, root_pos)):
-            if pos < 0 or not self._may_grow_tree(runner, i, req_ids[i], pos):
-                continue
-            tree_rows.append(i)
-            tree_root_pos.append(pos)
-            tree_logit_rows.append(k)
-        if not tree_rows:
+        if self.policy is not None and not self.policy.should_draft(len(candidates), num_plain):
+            stats.steps_not_speculated += 1
             self._record(stats)
             return drafts
 
-        tree = self._grow(runner, np.asarray(tree_rows, dtype=np.int64),
-                          np.asarray(tree_root_pos, dtype=np.int64),
-                          root_logits[tree_logit_rows], stats)
+        started = time.perf_counter()
+        root_logits, draft_seconds = self._catch_up(runner, candidates, stats)
+        tree = self._grow(runner, candidates, root_logits, num_plain, draft_seconds, stats)
         num_nodes = tree.num_nodes.tolist()
-        for b, i in enumerate(tree_rows):
+        for b, candidate in enumerate(candidates):
             n = num_nodes[b]
             if n == 0:
                 continue
@@ -155,12 +156,16 @@ class GsdProposer(DraftModelProposer):
                 parent_row=tree.parent_row[b, :n].clone(),
                 depth=tree.depth[b, :n].clone(),
                 via_merge=tree.via_merge[b, :n].clone(),
+                path_prob=tree.path_prob[b, :n].clone(),
             )
-            self.trees[req_ids[i]] = proposed
-            drafts[i] = proposed.draft_token_ids.tolist()
+            self.trees[candidate.req_id] = proposed
+            drafts[candidate.batch_row] = proposed.draft_token_ids.tolist()
+        stats.steps_speculated += 1
+        stats.nodes_proposed += int(tree.num_nodes.sum())
         stats.graph_nodes_drafted += int(tree.num_graph_nodes.sum())
         stats.merges += int(tree.num_merges.sum())
         stats.draft_expansions_saved += int(tree.expansions_saved.sum())
+        stats.draft_step_us += int((time.perf_counter() - started) * 1e6)
         self._check_ranks_agree(req_ids, drafts)
         self._record(stats)
         return drafts
@@ -176,6 +181,52 @@ class GsdProposer(DraftModelProposer):
                                 group.rank_in_group)
 
     # ------------------------------------------------------------------------------ steps
+
+    def _observe_verified(self, req_ids, scheduler_output, valid_sampled_token_ids) -> None:
+        """Calibrate the policy's acceptance model on the trees verified in this step."""
+        if self.policy is None or not self.trees:
+            return
+        max_depth = self.graph_params.max_depth
+        predicted, accepted = [], []
+        for i, req_id in enumerate(req_ids):
+            tree = self.trees.get(req_id)
+            verified = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            if tree is None or verified == 0 or not valid_sampled_token_ids[i]:
+                continue
+            predicted.append(np.bincount(tree.depth[:verified].numpy(), tree.path_prob[:verified].numpy(),
+                                         minlength=max_depth + 1)[: max_depth + 1])
+            accepted.append(len(valid_sampled_token_ids[i]) - 1)
+        if accepted:
+            self.policy.acceptance.observe(np.stack(predicted), np.asarray(accepted))
+
+    def _tree_candidates(self, runner, scheduler_output, req_ids, valid_sampled_token_ids
+                         ) -> tuple[list[_Candidate], int]:
+        """The requests that grow a tree this step, and how many other requests decode."""
+        batch = runner.input_batch
+        live = set(req_ids)
+        for req_id in [r for r in self._draft_known if r not in live]:
+            del self._draft_known[req_id]
+        candidates, num_plain = [], 0
+        for i, req_id in enumerate(req_ids):
+            num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if num_scheduled == 0:
+                continue
+            start = int(batch.num_computed_tokens_cpu[i])
+            # Positions from `start` on are (re)computed by the target this step; after a
+            # preemption the draft's KV there is gone too.
+            known = min(self._draft_known.setdefault(req_id, start), start)
+            self._draft_known[req_id] = known
+            num_sampled = len(valid_sampled_token_ids[i])
+            if num_sampled == 0:  # a prefill chunk: no root yet
+                continue
+            num_spec = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+            end = min(int(batch.num_tokens_no_spec[i]), start + num_scheduled - num_spec + num_sampled)
+            root_pos = end - 1
+            if root_pos < start or not self._may_grow_tree(runner, i, req_id, root_pos):
+                num_plain += 1
+                continue
+            candidates.append(_Candidate(i, req_id, known, root_pos))
+        return candidates, num_plain
 
     def _may_grow_tree(self, runner, batch_row: int, req_id: str, root_pos: int) -> bool:
         state = runner.requests[req_id]
@@ -193,57 +244,134 @@ class GsdProposer(DraftModelProposer):
         last_slot = root_pos + self.node_budget
         return last_slot < self.max_model_len and last_slot < allocated
 
-    def _grow(self, runner, batch_rows: np.ndarray, root_pos: np.ndarray,
-              root_logits: torch.Tensor, stats: GsdStats) -> VerificationTree:
-        batch = runner.input_batch
-        roots = torch.from_numpy(batch.token_ids_cpu[batch_rows, root_pos].astype(np.int64))
-        history = torch.full((len(batch_rows), self.history_len), -1, dtype=torch.int64)
+    def _catch_up(self, runner, candidates: list[_Candidate], stats: GsdStats
+                  ) -> tuple[torch.Tensor, float]:
+        """Run the draft over each candidate's unseen tokens; return the roots' logits [R, V] and
+        the policy's cost estimate of the forwards run."""
+        token_ids_cpu = runner.input_batch.token_ids_cpu
+        cap = self.max_num_tokens
+        forwards: list[list[tuple[int, int, int]]] = [[]]  # per forward: (candidate, lo, hi)
+        used = 0
+        for k, candidate in enumerate(candidates):
+            lo, hi = candidate.catch_up_from, candidate.root_pos + 1
+            while lo < hi:
+                if used == cap:
+                    forwards.append([])
+                    used = 0
+                take = min(hi - lo, cap - used)
+                forwards[-1].append((k, lo, lo + take))
+                used, lo = used + take, lo + take
+        root_logits: list[torch.Tensor | None] = [None] * len(candidates)
+        draft_seconds, total_tokens = 0.0, 0
+        for pieces in forwards:
+            fwd = _Forward(batch_rows=np.asarray([candidates[k].batch_row for k, _, _ in pieces]))
+            for k, lo, hi in pieces:
+                fwd.token_ids.append(token_ids_cpu[candidates[k].batch_row, lo:hi].astype(np.int64))
+                fwd.positions.append(np.arange(lo, hi, dtype=np.int64))
+                fwd.kv_positions.append(fwd.positions[-1])
+                fwd.seq_lens.append(hi)
+            ends_root = [j for j, (k, _, hi) in enumerate(pieces) if hi == candidates[k].root_pos + 1]
+            last_token = np.cumsum([hi - lo for _, lo, hi in pieces]) - 1
+            logits = self._forward(runner, fwd, None, last_token[ends_root])
+            for row, j in enumerate(ends_root):
+                root_logits[pieces[j][0]] = logits[row]
+            num_tokens = int(last_token[-1] + 1)
+            total_tokens += num_tokens
+            if self.policy is not None:
+                draft_seconds += self.policy.draft_cost(num_tokens)
+        stats.draft_tokens_computed += total_tokens
+        stats.levels_drafted += 1
+        if self.policy is not None:
+            self.policy.observe_forward(0, total_tokens, len(candidates))
+        for candidate in candidates:
+            self._draft_known[candidate.req_id] = candidate.root_pos + 1
+        return torch.stack(root_logits), draft_seconds
+
+    def _grow(self, runner, candidates: list[_Candidate], root_logits: torch.Tensor,
+              num_plain: int, draft_seconds: float, stats: GsdStats) -> VerificationTree:
+        token_ids_cpu = runner.input_batch.token_ids_cpu
+        batch_rows = np.asarray([c.batch_row for c in candidates], dtype=np.int64)
+        root_pos = np.asarray([c.root_pos for c in candidates], dtype=np.int64)
+        roots = torch.from_numpy(token_ids_cpu[batch_rows, root_pos].astype(np.int64))
+        history = torch.full((len(candidates), self.history_len), -1, dtype=torch.int64)
         for col in range(self.history_len):
             pos = root_pos - self.history_len + col
             ok = pos >= 0
             history[torch.from_numpy(ok), col] = torch.from_numpy(
-                batch.token_ids_cpu[batch_rows[ok], pos[ok]].astype(np.int64))
+                token_ids_cpu[batch_rows[ok], pos[ok]].astype(np.int64))
         builder = GraphBuilder(self.graph_params, roots, history)
-        frontier_logits = root_logits
-        while True:
-            frontier = builder.frontier()
-            if frontier is None:
-                break
+        policy = self.policy
+        frontier_logits, level = root_logits, 0
+        while (frontier := builder.frontier()) is not None:
             if frontier_logits is None:
+                if policy is not None and not self._next_level_pays(builder, frontier, len(candidates),
+                                                                    num_plain, draft_seconds, level):
+                    break
                 frontier_logits = self._expand_level(runner, builder, frontier, batch_rows, root_pos)
-                stats.draft_tokens_computed += int(frontier.request_index.numel())
+                num_rows = int(frontier.request_index.numel())
+                stats.draft_tokens_computed += num_rows
+                stats.levels_drafted += 1
+                if policy is not None:
+                    draft_seconds += policy.draft_cost(num_rows)
+                    policy.observe_forward(level, num_rows, len(candidates))
             probs = torch.softmax(frontier_logits.float(), dim=-1)
             top_probs, top_tokens = probs.topk(self.graph_params.top_k, dim=-1)
-            builder.expand(top_tokens.cpu(), top_probs.cpu())
-            frontier_logits = None
-        return builder.build_tree()
+            top_probs, top_tokens = top_probs.cpu(), top_tokens.cpu()
+            builder.expand(top_tokens, top_probs)
+            if policy is not None:
+                policy.observe_children(top_probs[:, 0].double().numpy())
+            frontier_logits, level = None, level + 1
+        tree = builder.build_tree()
+        stats.nodes_offered += int(tree.num_nodes.sum())
+        if policy is not None:
+            selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
+                                      num_plain, draft_seconds)
+            tree = keep_best_nodes(tree, selection.node_budget)
+        return tree
+
+    def _next_level_pays(self, builder: GraphBuilder, frontier, num_trees: int, num_plain: int,
+                         draft_seconds: float, level: int) -> bool:
+        graph = builder.graph()
+        rows = np.arange(graph.path_prob.shape[1])
+        drafted = (rows[None, :] >= 1) & (rows[None, :] <= graph.num_nodes[:, None])
+        gain = self.policy.acceptance.node_gain(graph.path_prob[drafted], graph.depth[drafted])
+        request, row = frontier.request_index.numpy(), frontier.node_row.numpy()
+        frontier_gain = self.policy.acceptance.node_gain(graph.path_prob[request, row], graph.depth[request, row])
+        return self.policy.continue_drafting(np.sort(gain)[::-1], frontier_gain, num_trees, num_plain,
+                                             draft_seconds, level)
 
     def _expand_level(self, runner, builder: GraphBuilder, frontier, batch_rows: np.ndarray,
                       root_pos: np.ndarray) -> torch.Tensor:
-        """One draft forward over the frontier rows of every request; logits per frontier row."""
+        """Draft forwards over the frontier rows of every request (one, unless the rows exceed
+        max_num_batched_tokens); logits per frontier row, in the frontier's order."""
         request = frontier.request_index.numpy()
-        order = np.argsort(request, kind="stable")  # the forward wants rows grouped by request
+        order = np.argsort(request, kind="stable")  # a forward wants rows grouped by request
         request, node_row = request[order], frontier.node_row.numpy()[order]
         depth, token = frontier.depth.numpy()[order], frontier.token_ids.numpy()[order]
         requests, starts = np.unique(request, return_index=True)
         ends = np.append(starts[1:], len(request))
-        level = _Forward(batch_rows=batch_rows[requests])
-        for b, s, e in zip(requests, starts, ends):
-            base = root_pos[b]
-            level.token_ids.append(token[s:e])
-            level.positions.append(base + depth[s:e])
-            level.kv_positions.append(base + node_row[s:e])
-            level.seq_lens.append(int(base + node_row[s:e].max() + 1))
-        mask = TreeMask(
-            request_index=torch.arange(len(requests), dtype=torch.int64),
-            tree_base=torch.from_numpy(root_pos[requests].astype(np.int32)),
-            ancestor_words=builder.draft_ancestor_words[torch.from_numpy(requests)],
-            query_tree_row=torch.from_numpy(node_row.astype(np.int32)),
-        )
-        logits = self._forward(runner, level, mask, np.arange(len(request)))
+        ancestor_words = builder.draft_ancestor_words
+        logits = []
+        for group in _groups_within(ends - starts, self.max_num_tokens):
+            level = _Forward(batch_rows=batch_rows[requests[group]])
+            for b, s, e in zip(requests[group], starts[group], ends[group]):
+                base = root_pos[b]
+                level.token_ids.append(token[s:e])
+                level.positions.append(base + depth[s:e])
+                level.kv_positions.append(base + node_row[s:e])
+                level.seq_lens.append(int(base + node_row[s:e].max() + 1))
+            rows = slice(starts[group[0]], ends[group[-1]])
+            mask = TreeMask(
+                request_index=torch.arange(len(group), dtype=torch.int64),
+                tree_base=torch.from_numpy(root_pos[requests[group]].astype(np.int32)),
+                ancestor_words=ancestor_words[torch.from_numpy(requests[group])],
+                query_tree_row=torch.from_numpy(node_row[rows].astype(np.int32)),
+            )
+            logits.append(self._forward(runner, level, mask, np.arange(rows.stop - rows.start)))
         # Back to the builder's frontier order.
-        unsorted = torch.empty_like(logits)
-        unsorted[torch.from_numpy(order)] = logits
+        sorted_logits = torch.cat(logits)
+        unsorted = torch.empty_like(sorted_logits)
+        unsorted[torch.from_numpy(order)] = sorted_logits
         return unsorted
 
     # ------------------------------------------------------------------------------ forward
@@ -291,3 +419,15 @@ class GsdProposer(DraftModelProposer):
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
         return self.model.compute_logits(hidden_states[torch.from_numpy(sample_index).to(device)])
+
+
+def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:
+    """Consecutive index groups of `sizes` whose sums stay <= cap (each size is <= cap)."""
+    groups, first, used = [], 0, 0
+    for index, size in enumerate(sizes.tolist()):
+        if used + size > cap:
+            groups.append(np.arange(first, index))
+            first, used = index, 0
+        used += size
+    groups.append(np.arange(first, len(sizes)))
+    return groups

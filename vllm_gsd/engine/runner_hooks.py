@@ -8,12 +8,14 @@ Per step of a gsd engine:
 * `execute_model`: the graph mask lives for the target forward only.
 * the rejection sampler is GsdRejectionSampler (engine/scorer.py), which also compacts the KV;
 * `propose_draft_token_ids`: GsdProposer.propose_tree on the sampled tokens (after bookkeeping);
-* `initialize_metadata_builders`: the draft layers get their attention groups, as for draft_model.
+* `initialize_metadata_builders`: the draft layers get their attention groups, as for draft_model;
+* `initialize_kv_cache`: then the drafter's adaptive node budget gets its cost curves.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,12 +86,30 @@ def wrap_prepare_inputs(original):
 def wrap_execute_model(original):
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
+        if not _gsd_runner(self):
+            return original(self, *args, **kwargs)
+        started = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
         finally:
             set_graph_mask(None)
+            self._gsd_metrics.add(target_forward_us=int((time.perf_counter() - started) * 1e6))
 
     return execute_model
+
+
+def wrap_initialize_kv_cache(original):
+    """Once the KV cache exists, the adaptive node budget may time forwards for its cost curves."""
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        result = original(self, kv_cache_config, *args, **kwargs)
+        is_profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if _gsd_runner(self) and hasattr(self, "drafter") and not is_profiling:
+            self.drafter.prepare_policy(self)
+        return result
+
+    return initialize_kv_cache
 
 
 def wrap_propose_draft_token_ids(original):

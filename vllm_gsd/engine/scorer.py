@@ -23,6 +23,7 @@ tree_base + row to tree_base + k (vllm_gsd.kernels.kv_compaction), so the cache 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -49,6 +50,7 @@ class GsdRejectionSampler(RejectionSampler):
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
+        started = time.perf_counter()
         num_draft = list(metadata.num_draft_tokens)
         batch_size = len(num_draft)
         max_nodes = max(num_draft)
@@ -75,8 +77,12 @@ class GsdRejectionSampler(RejectionSampler):
         self.last_accepted = accepted
         if self.metrics is not None and max_nodes > 0:
             self._count(num_draft, accepted)
+        walked = time.perf_counter()
         if self.compact_kv is not None and max_nodes > 0:
             self.compact_kv(accepted)
+        if self.metrics is not None:
+            self.metrics.add(verify_us=int((walked - started) * 1e6),
+                             kv_compaction_us=int((time.perf_counter() - walked) * 1e6))
 
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:

@@ -9,10 +9,17 @@ from __future__ import annotations
 
 MAX_MODEL_LEN = 512  # tests/engine/test_*.py assume this
 NODE_BUDGET = 24
-GSD_KNOBS = {"top_k": 3, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.05, "leaf_prob": 0.0}
+# Cost curves under which verifying more nodes costs nothing and drafting almost nothing: the
+# adaptive node budget then always drafts every level and verifies the whole tree, so the tests
+# see full trees deterministically (measured curves depend on the machine's load) while the
+# adaptive code path runs. tests/engine/test_gsd_adaptive.py tests the policy's choices.
+FREE_TREES = {"target": [[1, 1.0]], "draft": [[1, 1e-4]]}
+GSD_KNOBS = {"top_k": 3, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.05, "leaf_prob": 0.0,
+             "cost_curve": FREE_TREES}
 # The widest tree vLLM's plumbing allows, at the chain's depth: for the acceptance comparison.
 WIDE_GSD = {"num_speculative_tokens": 128,
-            "gsd": {"top_k": 4, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.0, "leaf_prob": 0.0}}
+            "gsd": {"top_k": 4, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.0, "leaf_prob": 0.0,
+                    "cost_curve": FREE_TREES}}
 
 
 def make_llm(model: str, speculative_config: dict | None = None, **kwargs):

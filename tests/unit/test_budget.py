@@ -1,0 +1,198 @@
+"""The adaptive node budget (vllm_gsd.graph.budget): cost curves, calibration, choices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_gsd.graph import GraphBuilder, GraphParams
+from vllm_gsd.graph.budget import (
+    AcceptanceModel,
+    CostCurve,
+    NodeBudgetPolicy,
+    best_node_order,
+    best_rate,
+    keep_best_nodes,
+)
+
+FLAT = CostCurve((1,), (0.1,))
+# A CPU-like target: flat up to 8 tokens, then linear.
+CPU_LIKE = CostCurve((1, 8, 64, 512), (0.10, 0.11, 0.40, 2.80))
+
+
+def test_cost_curve_interpolates_and_extends_linearly():
+    curve = CostCurve((1, 8, 64), (0.1, 0.1, 0.38))
+    assert curve(1) == pytest.approx(0.1)
+    assert curve(36) == pytest.approx(0.1 + 0.28 * 28 / 56)
+    assert curve(128) == pytest.approx(0.38 + 0.005 * 64)  # slope of the last segment
+    assert curve(0) == 0.0
+    np.testing.assert_allclose(curve(np.array([1, 8])), [0.1, 0.1])
+
+
+def test_cost_curve_never_lets_more_tokens_look_cheaper():
+    noisy = CostCurve.from_points([[16, 0.12], [1, 0.1], [8, 0.15]])
+    assert noisy.tokens == (1, 8, 16)
+    assert list(noisy.seconds) == [0.1, 0.15, 0.15]
+
+
+@pytest.mark.parametrize("tokens, seconds", [((), ()), ((1, 1), (0.1, 0.2)), ((0,), (0.1,)),
+                                             ((1,), (0.0,)), ((1,), (float("nan"),))])
+def test_cost_curve_rejects_bad_points(tokens, seconds):
+    with pytest.raises(ValueError):
+        CostCurve(tokens, seconds)
+
+
+def test_best_rate_is_the_brute_force_maximum():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        gains = np.sort(rng.uniform(0, 1, rng.integers(0, 40)))[::-1]
+        base, fixed = float(rng.integers(1, 9)), float(rng.uniform(0, 0.5))
+        k, rate = best_rate(base, gains, fixed, CPU_LIKE)
+        rates = [(base + gains[:j].sum()) / (fixed + CPU_LIKE(base + j)) for j in range(gains.size + 1)]
+        assert rate == pytest.approx(max(rates))
+        assert k == int(np.argmax(rates))
+
+
+def test_acceptance_model_learns_the_ratio_per_depth():
+    model = AcceptanceModel(max_depth=3, prior=1.0)
+    rng = np.random.default_rng(1)
+    for _ in range(400):
+        # One node per depth with draft path probs 0.9, 0.8, 0.7; the target accepts each level
+        # with prob 0.5 given the previous: P(reach d) = 0.5^d.
+        predicted = np.array([[0.0, 0.9, 0.8, 0.7]])
+        accepted = 0
+        while accepted < 3 and rng.random() < 0.5:
+            accepted += 1
+        model.observe(predicted, np.array([accepted]))
+    np.testing.assert_allclose(model.scale()[1:], [0.5 / 0.9, 0.25 / 0.8, 0.125 / 0.7], rtol=0.3)
+
+
+def test_an_underconfident_draft_is_corrected_within_a_few_trees():
+    """A draft that is right with little confidence (path probs 0.05 per level, always accepted)."""
+    model = AcceptanceModel(max_depth=3)
+    for _ in range(5):
+        model.observe(np.array([[0.0, 0.05, 0.0025, 0.000125]]), np.array([3]))
+    scale = model.scale()
+    assert scale[1] > 10 and scale[2] > 100 * scale[1] / 10
+    gains = model.node_gain(np.array([0.05, 0.0025, 0.000125]), np.array([1, 2, 3]))
+    assert (gains > 0.7).all() and (gains <= 1.0).all()
+
+
+def test_an_unseen_depth_inherits_the_scale_above_it():
+    model = AcceptanceModel(max_depth=4)
+    model.observe(np.array([[0.0, 0.5, 0.0, 0.0, 0.0]] * 50), np.zeros(50, dtype=np.int64))
+    scale = model.scale()
+    assert scale[1] < 0.05
+    np.testing.assert_allclose(scale[2:], scale[1])
+
+
+def _policy(target_cost, draft_cost=FLAT, node_budget=8, max_depth=4):
+    return NodeBudgetPolicy(target_cost, draft_cost, node_budget, max_depth)
+
+
+def test_select_takes_every_useful_node_when_verification_is_free():
+    policy = _policy(FLAT, node_budget=4)
+    path_prob = np.array([[0.9, 0.5, 0.4, 0.1], [0.8, 0.0, 0.0, 0.0]])
+    depth = np.array([[1, 1, 2, 2], [1, 0, 0, 0]])
+    selection = policy.select(path_prob, depth, np.array([4, 1]), num_other_tokens=0, draft_seconds=0.0)
+    assert selection.node_budget.tolist() == [4, 1]
+    assert selection.expected_accepted == pytest.approx(0.9 + 0.5 + 0.4 + 0.1 + 0.8)
+
+
+def test_select_shrinks_to_the_likeliest_nodes_when_verification_is_expensive():
+    half = CostCurve((1, 2), (0.1, 0.15))  # each verified node costs half a plain step
+    policy = _policy(half, node_budget=4)
+    path_prob = np.array([[0.95, 0.3, 0.9, 0.05]])
+    depth = np.array([[1, 1, 2, 2]])
+    selection = policy.select(path_prob, depth, np.array([4]), num_other_tokens=0, draft_seconds=0.0)
+    # Rates by nodes verified (best first: 0.95, 0.9, 0.3, 0.05): 1 / 0.1 = 10, 1.95 / 0.15 = 13,
+    # 2.85 / 0.2 = 14.25, 3.15 / 0.25 = 12.6, 3.2 / 0.3 = 10.7.
+    assert selection.node_budget.tolist() == [2]
+    assert selection.rate == pytest.approx(14.25)
+
+
+def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
+    policy = _policy(CPU_LIKE, draft_cost=CostCurve((1, 8, 64, 512), (0.04, 0.045, 0.16, 1.1)),
+                     node_budget=8, max_depth=4)
+    # Teach it a typical tree: a confident chain of 4 plus siblings.
+    path_prob = np.tile([0.9, 0.8, 0.7, 0.6, 0.2, 0.15, 0.1, 0.05], (2, 1))
+    depth = np.tile([1, 2, 3, 4, 1, 2, 2, 3], (2, 1))
+    for level, rows in enumerate([2, 2, 2, 2]):
+        policy.observe_forward(level, rows, 1)
+    policy.select(path_prob, depth, np.array([8, 8]), num_other_tokens=0, draft_seconds=0.2)
+    assert policy.should_draft(num_tree_requests=1, num_other_tokens=0)
+    assert not policy.should_draft(num_tree_requests=256, num_other_tokens=0)
+    assert not policy.should_draft(num_tree_requests=0, num_other_tokens=3)
+
+
+def test_a_long_run_of_plain_steps_is_broken_by_one_drafted_step():
+    policy = _policy(CostCurve((1, 2), (0.1, 0.2)), draft_cost=CostCurve((1,), (1.0,)), node_budget=4)
+    policy.select(np.array([[0.5, 0.2, 0.1, 0.1]]), np.array([[1, 1, 2, 2]]), np.array([4]), 0, 1.0)
+    decisions = [policy.should_draft(8, 0) for _ in range(3 * policy.explore_every)]
+    assert sum(decisions) == 3
+    assert decisions[policy.explore_every - 1] and not any(decisions[: policy.explore_every - 1])
+
+
+def test_continue_drafting_weighs_the_next_level_against_its_forward():
+    cheap_draft = _policy(FLAT, draft_cost=CostCurve((1,), (1e-6,)))
+    costly_draft = _policy(FLAT, draft_cost=CostCurve((1,), (10.0,)))
+    gains, frontier = np.array([0.9, 0.8]), np.array([0.8])
+    assert cheap_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=2)
+    assert not costly_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=2)
+    assert not cheap_draft.continue_drafting(gains, np.zeros(0), 1, 0, draft_seconds=0.05, level=2)
+    assert not cheap_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=4)
+
+
+def _random_tree(seed: int, batch: int, budget: int, top_k: int = 3, depth: int = 4, vocab: int = 12):
+    generator = torch.Generator().manual_seed(seed)
+    params = GraphParams(node_budget=budget, top_k=top_k, max_depth=depth, merge_ngram=1)
+    builder = GraphBuilder(params, torch.randint(0, vocab, (batch,), generator=generator),
+                           torch.randint(0, vocab, (batch, 2), generator=generator))
+    while (frontier := builder.frontier()) is not None:
+        probs = torch.softmax(torch.randn(frontier.request_index.numel(), vocab, generator=generator) * 2, -1)
+        top_probs, top_ids = probs.topk(top_k, dim=-1)
+        builder.expand(top_ids, top_probs)
+    return builder.build_tree()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), batch=st.integers(1, 5), budget=st.integers(1, 20), data=st.data())
+def test_keep_best_nodes_is_the_likeliest_subtree_in_breadth_first_order(seed, batch, budget, data):
+    tree = _random_tree(seed, batch, budget)
+    num_nodes = tree.num_nodes.numpy()
+    keep = np.array([data.draw(st.integers(0, budget)) for _ in range(batch)])
+    cut = keep_best_nodes(tree, keep)
+    rank = best_node_order(tree.path_prob.numpy(), num_nodes)
+    for b in range(batch):
+        n = int(cut.num_nodes[b])
+        assert n == min(keep[b], num_nodes[b])
+        kept_rows = np.flatnonzero(rank[b] < n)  # old rows, in breadth-first order
+        assert cut.draft_token_ids[b, :n].tolist() == tree.draft_token_ids[b, kept_rows].tolist()
+        assert cut.path_prob[b, :n].tolist() == tree.path_prob[b, kept_rows].tolist()
+        assert (cut.draft_token_ids[b, n:] == -1).all() and (cut.parent_row[b, n:] == -1).all()
+        # Parents are renumbered onto the kept rows (closed under ancestors), and precede children.
+        for new, old in enumerate(kept_rows):
+            old_parent = int(tree.parent_row[b, old])
+            new_parent = int(cut.parent_row[b, new])
+            assert new_parent <= new
+            assert old_parent == (0 if new_parent == 0 else kept_rows[new_parent - 1] + 1)
+        assert (np.diff(cut.depth[b, :n].numpy()) >= 0).all()
+    # The ancestor words are those of the renumbered parents.
+    from vllm_gsd.graph import ancestor_words_from_parents
+
+    assert torch.equal(cut.ancestor_words, ancestor_words_from_parents(cut.parent_row, cut.num_nodes))
+
+
+def test_select_then_keep_best_nodes_verifies_what_was_chosen():
+    tree = _random_tree(3, batch=4, budget=16)
+    policy = _policy(CostCurve((1, 2), (0.1, 0.13)), node_budget=16)
+    selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(), 0, 0.0)
+    cut = keep_best_nodes(tree, selection.node_budget)
+    assert cut.num_nodes.tolist() == selection.node_budget.tolist()
+    assert 0 < int(cut.num_nodes.sum()) < int(tree.num_nodes.sum())
+    gains = policy.acceptance.node_gain(cut.path_prob.numpy(), cut.depth.numpy())
+    real = np.arange(16)[None, :] < cut.num_nodes.numpy()[:, None]
+    assert gains[real].sum() == pytest.approx(selection.expected_accepted)

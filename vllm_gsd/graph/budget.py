@@ -1,0 +1,332 @@
+"""The load-adaptive node budget: how much to draft and verify this step, from measured costs.
+
+A step of speculative decoding is worth what it emits per second. With R requests growing trees,
+D other running requests (one token each), a target forward costing T_t(q) for q query tokens
+and a draft forward costing T_d(q), a step that verifies k tree nodes in all emits
+
+    tokens(k) = R + D + sum of the k best nodes' acceptance probabilities
+    seconds(k) = draft seconds spent + T_t(R + D + k)
+
+and a step without speculation emits R + D tokens in T_t(R + D) seconds (no draft forward at all).
+`NodeBudgetPolicy` answers the three questions of a step with that one rate:
+
+* `should_draft`: is speculation expected to beat no speculation at this load? (from the gain
+  curve of recent trees and the cost curves; at high load the answer becomes no);
+* `continue_drafting`: after a level, is one more draft forward worth its cost? (the next level's
+  best children are estimated from the frontier's path probabilities);
+* `select`: how many of each request's best nodes (by path probability) to verify, so that the
+  batch's rate is the highest. Few nodes per request degenerate to the most likely chain.
+
+Acceptance probabilities come from the draft's path probabilities, calibrated per depth by
+`AcceptanceModel` against what the target actually accepted. Everything here is plain numpy and
+deterministic given its inputs, so every tensor-parallel rank takes the same decisions (the cost
+curves are measured once and shared by the engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from .ancestors import ancestor_words_from_parents
+from .unroll import VerificationTree
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one forward as a function of its query tokens.
+
+    Piecewise linear through the measured points (made non-decreasing, so measurement noise
+    cannot make more work look cheaper), flat below the first point, extended beyond the last
+    point with the slope of the last segment.
+    """
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.tokens) == 0 or len(self.tokens) != len(self.seconds):
+            raise ValueError("a cost curve needs as many token counts as times, at least one")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])) or self.tokens[0] < 1:
+            raise ValueError(f"cost curve token counts must be increasing and >= 1, got {self.tokens}")
+        if any(not np.isfinite(s) or s <= 0 for s in self.seconds):
+            raise ValueError(f"cost curve times must be positive, got {self.seconds}")
+        object.__setattr__(self, "seconds", tuple(float(s) for s in np.maximum.accumulate(self.seconds)))
+
+    @classmethod
+    def from_points(cls, points) -> CostCurve:
+        """From [[tokens, seconds], ...] in any order."""
+        ordered = sorted((int(q), float(s)) for q, s in points)
+        return cls(tuple(q for q, _ in ordered), tuple(s for _, s in ordered))
+
+    def __call__(self, num_tokens):
+        """Seconds for `num_tokens` (int or array); 0 tokens cost nothing."""
+        q = np.asarray(num_tokens, dtype=np.float64)
+        tokens = np.asarray(self.tokens, dtype=np.float64)
+        seconds = np.asarray(self.seconds)
+        out = np.interp(q, tokens, seconds)
+        if tokens.size > 1:
+            slope = (seconds[-1] - seconds[-2]) / (tokens[-1] - tokens[-2])
+            out = np.where(q > tokens[-1], seconds[-1] + slope * (q - tokens[-1]), out)
+        out = np.where(q <= 0, 0.0, out)
+        return out if out.ndim else float(out)
+
+
+class AcceptanceModel:
+    """P(a verified node at depth d is accepted) ~= min(1, scale[d] * path_prob).
+
+    The draft's path probability (the product of its probabilities along the path) is what it
+    believes; scale[d] corrects it with what the target accepted: over recent trees,
+    (trees whose accepted path reached depth d) / (sum of path probs of verified depth-d nodes),
+    an exponentially weighted ratio. Each depth's ratio is held, with the weight of
+    `prior_trees` average trees, to the scale of the depth above it (depth 1 to `prior`, 1 =
+    trust the draft): an unseen depth inherits its parent's scale, and a few trees already
+    correct a draft whose probabilities are far off (a small draft is often right with little
+    confidence, and its under-confidence compounds with depth).
+    """
+
+    def __init__(self, max_depth: int, prior: float = 1.0, prior_trees: float = 1.0,
+                 window_trees: float = 512.0) -> None:
+        self.max_depth = max_depth
+        self._prior, self._prior_trees = prior, prior_trees
+        self._keep = 1.0 - 1.0 / window_trees
+        # Exponentially weighted sums per depth (index = depth): trees that reached it, the path
+        # probs of its verified nodes, trees that verified nodes there.
+        self._accepted = np.zeros(max_depth + 1)
+        self._predicted = np.zeros(max_depth + 1)
+        self._trees = np.zeros(max_depth + 1)
+
+    def scale(self) -> np.ndarray:
+        """float64 [max_depth + 1]: scale per depth (index 0 unused, = 1)."""
+        scale = np.ones(self.max_depth + 1)
+        above = self._prior
+        for depth in range(1, self.max_depth + 1):
+            if self._trees[depth] > 0:
+                prior_mass = self._prior_trees * self._predicted[depth] / self._trees[depth]
+                above = (self._accepted[depth] + prior_mass * above) / (self._predicted[depth] + prior_mass)
+            scale[depth] = above
+        return scale
+
+    def observe(self, predicted_by_depth: np.ndarray, accepted_depth: np.ndarray) -> None:
+        """predicted_by_depth: float [T, max_depth + 1], per verified tree the sum of its
+        verified nodes' path probs at each depth; accepted_depth: int [T], accepted nodes."""
+        predicted_by_depth = np.asarray(predicted_by_depth, dtype=np.float64)
+        accepted_depth = np.asarray(accepted_depth)
+        num_trees = accepted_depth.shape[0]
+        if num_trees == 0:
+            return
+        depths = np.arange(self.max_depth + 1)
+        reached = (accepted_depth[:, None] >= depths[None, :]) & (predicted_by_depth > 0)
+        decay = self._keep ** num_trees
+        self._accepted = decay * self._accepted + reached.sum(0)
+        self._predicted = decay * self._predicted + predicted_by_depth.sum(0)
+        self._trees = decay * self._trees + (predicted_by_depth > 0).sum(0)
+
+    def node_gain(self, path_prob: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """Expected accepted tokens contributed by each node (same shape as path_prob)."""
+        return np.minimum(1.0, self.scale()[np.clip(depth, 0, self.max_depth)] * path_prob)
+
+
+def best_rate(base_tokens: float, gains_desc: np.ndarray, fixed_seconds: float,
+              target_cost: CostCurve) -> tuple[int, float]:
+    """(k, rate) maximizing (base_tokens + sum of the first k gains) / (fixed + T_t(base + k)).
+
+    gains_desc: float [K], in the order nodes would be added (k = 0 allowed: verify nothing).
+    """
+    k = np.arange(gains_desc.size + 1)
+    tokens = base_tokens + np.concatenate([[0.0], np.cumsum(gains_desc)])
+    rate = tokens / (fixed_seconds + target_cost(base_tokens + k))
+    best = int(np.argmax(rate))  # first maximum: the fewest nodes among equals
+    return best, float(rate[best])
+
+
+@dataclass
+class Selection:
+    """What `NodeBudgetPolicy.select` chose for one step."""
+
+    node_budget: np.ndarray  # int64 [B]: nodes to verify per request
+    expected_accepted: float  # sum over the batch of the chosen nodes' gains
+    rate: float  # expected tokens per second of the step
+
+
+class NodeBudgetPolicy:
+    """Chooses, per step, whether to draft, how deep, and how many nodes to verify.
+
+    target_cost / draft_cost: CostCurve of one target / draft forward by query tokens.
+    node_budget: N, the most nodes per request; max_depth: the most draft levels.
+    explore_every: after this many steps decided as plain decoding in a row, one is drafted, so
+    the estimates behind the decision are refreshed (load falls, the draft may improve).
+    """
+
+    explore_every = 64
+
+    def __init__(self, target_cost: CostCurve, draft_cost: CostCurve, node_budget: int,
+                 max_depth: int, smoothing: float = 0.1) -> None:
+        self.target_cost, self.draft_cost = target_cost, draft_cost
+        self.node_budget, self.max_depth = node_budget, max_depth
+        self.acceptance = AcceptanceModel(max_depth)
+        self._smoothing = smoothing
+        # Recent history, for predicting a step before drafting it (None until the first tree):
+        # [N + 1, D + 1], the path probs of a request's best n nodes (by path prob), by depth.
+        self._best_nodes_mass: np.ndarray | None = None
+        self._frontier_per_request = np.zeros(max_depth)  # [D]: draft rows per request at level l
+        self._top_child_prob = 0.8  # draft prob of a node's best child (for the next-level estimate)
+        self._plain_streak = 0
+
+    # ---------------------------------------------------------------- before drafting
+
+    def should_draft(self, num_tree_requests: int, num_other_tokens: int) -> bool:
+        """Whether a drafted step is expected to emit more tokens per second than a plain one."""
+        if num_tree_requests == 0:
+            return False
+        if self._best_nodes_mass is None:
+            return True  # nothing measured yet: try
+        r, base = num_tree_requests, num_tree_requests + num_other_tokens
+        plain_rate = base / self.target_cost(base)
+        draft_seconds = float(self.draft_cost(r * self._frontier_per_request[self._frontier_per_request > 0]).sum())
+        n = np.arange(self.node_budget + 1)
+        spec_rate = (base + r * self.gain_curve()) / (draft_seconds + self.target_cost(base + r * n))
+        if spec_rate[1:].max() > plain_rate:
+            self._plain_streak = 0
+            return True
+        # Decisions rest on estimates that only drafted steps refresh: every so often, draft anyway.
+        self._plain_streak += 1
+        if self._plain_streak >= self.explore_every:
+            self._plain_streak = 0
+            return True
+        return False
+
+    # ---------------------------------------------------------------- while drafting
+
+    def continue_drafting(self, node_gain_desc: np.ndarray, frontier_gain: np.ndarray,
+                          num_tree_requests: int, num_other_tokens: int,
+                          draft_seconds: float, level: int) -> bool:
+        """After `level` draft levels, whether one more is worth a draft forward over the frontier.
+
+        node_gain_desc: float [K] gains of the nodes drafted so far, descending; frontier_gain:
+        float [F] gains of the frontier nodes (the parents of the next level); draft_seconds:
+        the draft's cost so far (estimated from the cost curve).
+        """
+        if frontier_gain.size == 0 or level >= self.max_depth:
+            return False
+        base = num_tree_requests + num_other_tokens
+        _, rate_now = best_rate(base, node_gain_desc, draft_seconds, self.target_cost)
+        scale = self.acceptance.scale()
+        depth_ratio = scale[min(level + 1, self.max_depth)] / max(scale[level], 1e-9)
+        # The next level's best nodes: each frontier node's most likely child.
+        next_gain = np.minimum(1.0, frontier_gain * self._top_child_prob * depth_ratio)
+        merged = np.sort(np.concatenate([node_gain_desc, next_gain]))[::-1]
+        _, rate_next = best_rate(base, merged, draft_seconds + self.draft_cost(frontier_gain.size),
+                                 self.target_cost)
+        return rate_next > rate_now
+
+    def observe_forward(self, level: int, num_rows: int, num_tree_requests: int) -> None:
+        """Record a draft forward: level 0 is the catch-up, level l >= 1 expands depth-l nodes."""
+        if 0 <= level < self.max_depth and num_tree_requests:
+            a = self._smoothing
+            self._frontier_per_request[level] = (
+                (1 - a) * self._frontier_per_request[level] + a * num_rows / num_tree_requests)
+
+    def observe_children(self, top_child_prob: np.ndarray) -> None:
+        """Record the draft probability of the best child of each expanded node."""
+        if top_child_prob.size:
+            a = self._smoothing
+            self._top_child_prob = (1 - a) * self._top_child_prob + a * float(top_child_prob.mean())
+
+    # ---------------------------------------------------------------- after drafting
+
+    def select(self, path_prob: np.ndarray, depth: np.ndarray, num_nodes: np.ndarray,
+               num_other_tokens: int, draft_seconds: float) -> Selection:
+        """Nodes to verify per request, from the candidate trees.
+
+        path_prob float [B, N], depth int [B, N] of each request's candidate tree rows (rows past
+        num_nodes[b] are ignored). Request b verifies its node_budget[b] nodes of highest path
+        probability (a set closed under ancestors); nodes join in one order across the batch,
+        by path probability, until the step's expected rate stops improving.
+        """
+        batch, width = path_prob.shape
+        real = np.arange(width)[None, :] < num_nodes[:, None]
+        gain = np.where(real, self.acceptance.node_gain(path_prob, depth), 0.0)
+        key = np.where(real, path_prob, -1.0)
+        order = np.argsort(-key, axis=None, kind="stable")[: int(real.sum())]
+        request = order // width
+        k, rate = best_rate(batch + num_other_tokens, gain.reshape(-1)[order], draft_seconds,
+                            self.target_cost)
+        budget = np.bincount(request[:k], minlength=batch).astype(np.int64)
+        self._remember_best_nodes(path_prob, depth, key)
+        return Selection(budget, float(gain.reshape(-1)[order[:k]].sum()), rate)
+
+    def gain_curve(self) -> np.ndarray:
+        """float64 [N + 1]: expected accepted nodes of a typical request's best n nodes, from the
+        recent trees' path probs and the current calibration (no node counts for more than 1)."""
+        expected = self._best_nodes_mass @ self.acceptance.scale()
+        return np.concatenate([[0.0], np.cumsum(np.minimum(1.0, np.diff(expected)))])
+
+    def _remember_best_nodes(self, path_prob: np.ndarray, depth: np.ndarray, key: np.ndarray) -> None:
+        """Smoothed mean over requests of their best n nodes' path probs, by depth."""
+        batch, width = path_prob.shape
+        order = np.argsort(-key, axis=1, kind="stable")
+        by_depth = np.zeros((batch, width, self.max_depth + 1))
+        sorted_depth = np.clip(np.take_along_axis(depth, order, axis=1), 0, self.max_depth)
+        sorted_prob = np.take_along_axis(np.where(key >= 0, path_prob, 0.0), order, axis=1)
+        np.put_along_axis(by_depth, sorted_depth[..., None], sorted_prob[..., None], axis=2)
+        mass = np.zeros((self.node_budget + 1, self.max_depth + 1))
+        cumulative = np.cumsum(by_depth, axis=1).mean(0)[: self.node_budget]
+        mass[1: cumulative.shape[0] + 1] = cumulative
+        mass[cumulative.shape[0] + 1:] = cumulative[-1] if cumulative.shape[0] else 0.0
+        a = self._smoothing
+        self._best_nodes_mass = mass if self._best_nodes_mass is None else (1 - a) * self._best_nodes_mass + a * mass
+
+
+def best_node_order(path_prob: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
+    """int64 [B, N]: rank of every tree row within its request by path probability, descending
+    (ties: the earlier breadth-first row first); padding rows rank past every real one.
+
+    The first n rows by this rank are closed under ancestors: a child's path probability never
+    exceeds its parent's, and on a tie the parent is the earlier row.
+    """
+    batch, width = path_prob.shape
+    real = np.arange(width)[None, :] < num_nodes[:, None]
+    order = np.argsort(np.where(real, -path_prob, np.inf), axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(width)[None, :].repeat(batch, 0), axis=1)
+    return rank
+
+
+def keep_best_nodes(tree: VerificationTree, node_budget: np.ndarray) -> VerificationTree:
+    """The tree of each request cut to its node_budget[b] most likely nodes (best_node_order),
+    still flattened breadth-first: the kept rows keep their relative order, parents are renumbered."""
+    path_prob = tree.path_prob.numpy()
+    num_nodes = tree.num_nodes.numpy()
+    batch, width = path_prob.shape
+    keep = best_node_order(path_prob, num_nodes) < np.minimum(node_budget, num_nodes)[:, None]
+    request, old_index = np.nonzero(keep)  # row-major: breadth-first order within each request
+    new_index = np.arange(request.size) - np.searchsorted(request, request, side="left")
+    # Tree row of every old row in the new tree (row 0 = root stays 0).
+    new_row = np.zeros((batch, width + 1), np.int64)
+    new_row[request, old_index + 1] = new_index + 1
+    at_new = (torch.from_numpy(request), torch.from_numpy(new_index))
+    at_old = (torch.from_numpy(request), torch.from_numpy(old_index))
+
+    def cut(values: torch.Tensor, fill) -> torch.Tensor:
+        out = torch.full_like(values, fill)
+        out[at_new] = values[at_old]
+        return out
+
+    parent_row = torch.full_like(tree.parent_row, -1)
+    parent_row[at_new] = torch.from_numpy(new_row[request, tree.parent_row.numpy()[request, old_index]])
+    num_kept = torch.from_numpy(keep.sum(1).astype(np.int64))
+    return replace(
+        tree,
+        draft_token_ids=cut(tree.draft_token_ids, -1),
+        parent_row=parent_row,
+        depth=cut(tree.depth, 0),
+        num_nodes=num_kept,
+        ancestor_words=ancestor_words_from_parents(parent_row, num_kept),
+        path_prob=cut(tree.path_prob, 0.0),
+        via_merge=cut(tree.via_merge, False),
+        graph_row=cut(tree.graph_row, -1),
+        child_rank=cut(tree.child_rank, -1),
+    )
