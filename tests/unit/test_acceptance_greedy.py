@@ -1,12 +1,18 @@
-"""walk_tree / greedy_accept against a brute-force reference on random trees."""
+"""walk_tree / greedy_accept against a brute-force reference on random trees.
+
+walk_tree runs numpy steps on CPU tensors and torch steps elsewhere; both are checked here."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_gsd.graph import AcceptedPaths, GraphBuilder, GraphParams, greedy_accept, walk_tree
+from vllm_gsd.graph.acceptance import _walk_tree_torch
+
+WALKS = {"numpy (CPU tensors)": walk_tree, "torch (other devices)": _walk_tree_torch}
 
 
 def random_bfs_trees(generator, batch, budget, vocab):
@@ -52,17 +58,74 @@ def brute_force_greedy(tokens, parents, num_nodes, row_target):
     return AcceptedPaths(torch.tensor(rows_out), torch.tensor(tokens_out), torch.tensor(accepted))
 
 
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), budget=st.integers(1, 24), vocab=st.integers(2, 5))
-def test_walk_tree_matches_brute_force(seed, batch, budget, vocab):
-    generator = torch.Generator().manual_seed(seed)
-    tokens, parents, num_nodes = random_bfs_trees(generator, batch, budget, vocab)
-    row_target = torch.randint(0, vocab, (batch, budget + 1), generator=generator)
-    got = walk_tree(tokens, parents, num_nodes, row_target)
-    want = brute_force_greedy(tokens, parents, num_nodes, row_target)
+def first_child_walk(tokens, parents, num_nodes, row_target):
+    """The walk one request at a time: move to the lowest-row child carrying the target token."""
+    batch, budget = tokens.shape
+    rows = torch.full((batch, budget + 1), -1)
+    emitted = torch.full((batch, budget + 1), -1)
+    accepted = torch.zeros(batch, dtype=torch.long)
+    for b in range(batch):
+        row, step = 0, 0
+        while True:
+            rows[b, step], emitted[b, step] = row, row_target[b, row]
+            children = [i + 1 for i in range(int(num_nodes[b]))
+                        if int(parents[b, i]) == row and int(tokens[b, i]) == int(row_target[b, row])]
+            if not children:
+                break
+            row, step = children[0], step + 1
+        accepted[b] = step
+    return AcceptedPaths(rows, emitted, accepted)
+
+
+def assert_same_paths(got, want):
     assert torch.equal(got.accepted_rows, want.accepted_rows)
     assert torch.equal(got.output_token_ids, want.output_token_ids)
     assert torch.equal(got.num_accepted, want.num_accepted)
+
+
+@pytest.mark.parametrize("walk", WALKS.values(), ids=WALKS.keys())
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), budget=st.integers(1, 24), vocab=st.integers(2, 5))
+def test_walk_tree_matches_brute_force(walk, seed, batch, budget, vocab):
+    generator = torch.Generator().manual_seed(seed)
+    tokens, parents, num_nodes = random_bfs_trees(generator, batch, budget, vocab)
+    row_target = torch.randint(0, vocab, (batch, budget + 1), generator=generator)
+    assert_same_paths(walk(tokens, parents, num_nodes, row_target),
+                      brute_force_greedy(tokens, parents, num_nodes, row_target))
+
+
+@pytest.mark.parametrize("walk", WALKS.values(), ids=WALKS.keys())
+def test_walk_tree_lowest_row_wins_among_equal_siblings(walk):
+    # Siblings sharing a token (not from the graph builder, but allowed input): row order decides.
+    generator = torch.Generator().manual_seed(3)
+    batch, budget = 6, 30
+    parents = torch.full((batch, budget), -1)
+    for b in range(batch):
+        for i in range(budget):
+            parents[b, i] = int(torch.randint(0, i + 1, (1,), generator=generator))
+    tokens = torch.randint(0, 2, (batch, budget), generator=generator)
+    num_nodes = torch.tensor([30, 0, 1, 17, 29, 8])
+    tokens[torch.arange(budget) >= num_nodes[:, None]] = -1
+    row_target = torch.randint(0, 2, (batch, budget + 1), generator=generator)
+    assert_same_paths(walk(tokens, parents, num_nodes, row_target),
+                      first_child_walk(tokens, parents, num_nodes, row_target))
+    # A full binary tree of equal tokens: the walk goes down the leftmost path.
+    parents = (torch.arange(budget) // 2).unsqueeze(0)
+    got = walk(torch.ones(1, budget, dtype=torch.long), parents, torch.tensor([budget]),
+               torch.ones(1, budget + 1, dtype=torch.long))
+    assert got.accepted_rows[0, :5].tolist() == [0, 1, 3, 7, 15] and got.num_accepted.tolist() == [4]
+
+
+@pytest.mark.parametrize("walk", WALKS.values(), ids=WALKS.keys())
+def test_walk_tree_never_enters_off_contract_nodes(walk):
+    # A node whose parent is not an earlier row (here itself, or past the budget) is skipped,
+    # so the walk ends instead of looping.
+    tokens = torch.tensor([[5, 5, 7]])
+    parents = torch.tensor([[0, 2, 9]])  # row 2 claims to be its own child, row 3 a child of row 9
+    row_target = torch.tensor([[5, 5, 5, 5]])
+    got = walk(tokens, parents, torch.tensor([3]), row_target)
+    assert got.accepted_rows.tolist() == [[0, 1, -1, -1]]
+    assert got.output_token_ids.tolist() == [[5, 5, -1, -1]]
 
 
 def test_greedy_accept_on_built_trees_uses_argmax():
@@ -90,10 +153,11 @@ def test_greedy_accept_on_built_trees_uses_argmax():
     assert got.num_accepted.sum() > batch  # the test exercises multi-node paths
 
 
-def test_walk_tree_empty_trees_emit_one_token():
+@pytest.mark.parametrize("walk", WALKS.values(), ids=WALKS.keys())
+def test_walk_tree_empty_trees_emit_one_token(walk):
     tokens = torch.full((2, 4), -1)
     parents = torch.full((2, 4), -1)
-    got = walk_tree(tokens, parents, torch.zeros(2, dtype=torch.long), torch.tensor([[3, 0, 0, 0, 0], [1, 0, 0, 0, 0]]))
+    got = walk(tokens, parents, torch.zeros(2, dtype=torch.long), torch.tensor([[3, 0, 0, 0, 0], [1, 0, 0, 0, 0]]))
     assert got.output_token_ids[:, 0].tolist() == [3, 1]
     assert got.num_accepted.tolist() == [0, 0]
     assert got.accepted_rows[:, 1:].eq(-1).all()

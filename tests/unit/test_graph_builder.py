@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm_gsd.graph import GraphBuilder, GraphParams, ancestor_words_from_parents
-from graph_refs import ancestor_words_reference  # noqa: E402
+from vllm_gsd.graph import builder as builder_module
+from vllm_gsd.graph import unroll as unroll_module
+from graph_refs import ancestor_words_reference, reference_tree  # noqa: E402
 
 
 def random_topk(generator: torch.Generator, num_rows: int, vocab: int, k: int, quantize: bool):
@@ -25,6 +27,12 @@ def random_topk(generator: torch.Generator, num_rows: int, vocab: int, k: int, q
     return top_ids, top_probs
 
 
+def primary_words(graph):
+    """The reference primary-tree ancestor words of a graph snapshot."""
+    return ancestor_words_from_parents(torch.from_numpy(graph.parent_row[:, 1:].copy()),
+                                       torch.from_numpy(graph.num_nodes))
+
+
 def build(params: GraphParams, batch: int, vocab: int, seed: int, quantize: bool = False):
     generator = torch.Generator().manual_seed(seed)
     roots = torch.randint(0, vocab, (batch,), generator=generator)
@@ -34,6 +42,8 @@ def build(params: GraphParams, batch: int, vocab: int, seed: int, quantize: bool
     frontiers = []
     while (frontier := builder.frontier()) is not None:
         frontiers.append(frontier)
+        # As the engine does: the draft forward of each level reads the primary-tree words.
+        assert torch.equal(builder.draft_ancestor_words, primary_words(builder.graph()))
         ids, probs = random_topk(generator, frontier.request_index.numel(), vocab, params.top_k, quantize)
         builder.expand(ids, probs)
     return builder, frontiers, history
@@ -136,9 +146,21 @@ def check_graph(builder, frontiers, history, params):
                 assert before_dst == primary_context(graph, history, b, src, r)
             assert 0 < graph.pseudo_prob[i] <= 1  # a real draft prob
     # Primary-tree ancestor words equal the reference from the primary parents.
-    primary_parent = torch.from_numpy(graph.parent_row[:, 1:].copy())
-    expected = ancestor_words_from_parents(primary_parent, torch.from_numpy(graph.num_nodes))
-    assert torch.equal(builder.draft_ancestor_words, expected)
+    assert torch.equal(builder.draft_ancestor_words, primary_words(graph))
+    # The out-edge table holds exactly the primary and pseudo edges, by (source node, rank).
+    num_rows, width = graph.token_ids.shape[1], params.top_k
+    expected_table = {}
+    for b in range(batch):
+        for src, outs in out_edges(graph, b).items():
+            for dst, prob, pseudo in outs:
+                rank = int(graph.child_rank[b, dst]) if not pseudo else int(
+                    graph.pseudo_rank[(graph.pseudo_request == b) & (graph.pseudo_src == src) & (graph.pseudo_dst == dst)][0])
+                expected_table[(b * num_rows + src) * width + rank] = (b * num_rows + dst, prob, pseudo)
+    table = {int(slot): (int(graph.out_node[slot]), float(graph.out_prob[slot]), bool(graph.out_pseudo[slot]))
+             for slot in np.flatnonzero(graph.out_node >= 0)}
+    assert table == expected_table
+    sources = {slot // width for slot in expected_table}
+    assert set(np.flatnonzero(graph.has_children).tolist()) == sources
     return graph
 
 
@@ -187,6 +209,13 @@ def check_tree(tree, graph, params):
         if len(set(p for p, _ in dag.values())) == len(dag):  # no ties: the exact same set
             top = sorted(dag.items(), key=lambda item: -item[1][0])[:budget]
             assert set(tree_paths) == {tokens for tokens, _ in top}
+        # Row by row, ties included, the tree of the rule's brute-force reference.
+        expected = reference_tree(graph, b, budget)
+        if expected is not None:
+            got = [(int(tree.draft_token_ids[b, i]), parents[i], depths[i + 1], float(tree.path_prob[b, i]),
+                    bool(tree.via_merge[b, i]), int(tree.graph_row[b, i]), int(tree.child_rank[b, i]))
+                   for i in range(n)]
+            assert got == expected
 
 
 
@@ -284,3 +313,93 @@ def test_params_validation():
         GraphParams(node_budget=4, merge_ngram=-2)
     with pytest.raises(ValueError, match="node_budget"):
         GraphParams(node_budget=0)
+
+
+def best_first_rows(tree, b):
+    """Tree rows of request b best first: path prob descending, then shallower, then row (rows
+    of one depth with one path prob are in creation order)."""
+    n = int(tree.num_nodes[b])
+    return sorted(range(1, n + 1), key=lambda r: (-float(tree.path_prob[b, r - 1]), int(tree.depth[b, r - 1]), r))
+
+
+def check_budget_cut(small, full, budget):
+    """`small` is the first budget[b]-best subset of `full`, rows in the same relative order,
+    parents renumbered, padding as contracts.md says."""
+    width = full.draft_token_ids.shape[1]
+    for b in range(full.num_nodes.shape[0]):
+        kept = sorted(best_first_rows(full, b)[: int(budget[b])])
+        n = len(kept)
+        assert int(small.num_nodes[b]) == n
+        new_row = {0: 0, **{old: new + 1 for new, old in enumerate(kept)}}
+        index = torch.tensor(kept, dtype=torch.long) - 1
+        for name in ("draft_token_ids", "depth", "path_prob", "via_merge", "graph_row", "child_rank"):
+            assert torch.equal(getattr(small, name)[b, :n], getattr(full, name)[b, index]), name
+        assert small.parent_row[b, :n].tolist() == [new_row[int(p)] for p in full.parent_row[b, index]]
+        assert small.draft_token_ids[b, n:].eq(-1).all() and small.parent_row[b, n:].eq(-1).all()
+        assert small.depth[b, n:].eq(0).all() and small.graph_row[b, n:].eq(-1).all()
+        assert small.child_rank[b, n:].eq(-1).all() and small.path_prob[b, n:].eq(0).all()
+    assert small.draft_token_ids.shape == (full.num_nodes.shape[0], width)
+    assert torch.equal(small.ancestor_words, ancestor_words_reference(small.parent_row, small.num_nodes, width))
+    for name in ("num_graph_nodes", "num_merges", "expansions_saved"):
+        assert torch.equal(getattr(small, name), getattr(full, name))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=params_strategy, batch=st.integers(1, 4), vocab=st.integers(2, 6),
+       seed=st.integers(0, 2**31 - 1), quantize=st.booleans(), data=st.data())
+def test_node_budget_keeps_the_best_subset(params, batch, vocab, seed, quantize, data):
+    builder, _, _ = build(params, batch, vocab, seed, quantize)
+    full = builder.build_tree()
+    budget = data.draw(st.lists(st.integers(0, params.node_budget), min_size=batch, max_size=batch))
+    check_budget_cut(builder.build_tree(torch.tensor(budget)), full, budget)
+    check_budget_cut(builder.build_tree(np.array(budget)), full, budget)
+    one = data.draw(st.integers(0, params.node_budget))
+    check_budget_cut(builder.build_tree(one), full, [one] * batch)
+    assert torch.equal(builder.build_tree(params.node_budget).parent_row, full.parent_row)
+
+
+def test_node_budget_zero_gives_empty_trees():
+    params = GraphParams(node_budget=12, top_k=3, max_depth=3, merge_ngram=1)
+    builder, _, _ = build(params, batch=3, vocab=4, seed=5)
+    tree = builder.build_tree(torch.zeros(3, dtype=torch.int64))
+    assert tree.num_nodes.tolist() == [0, 0, 0]
+    assert tree.draft_token_ids.eq(-1).all() and tree.parent_row.eq(-1).all()
+    assert torch.equal(tree.ancestor_words, ancestor_words_reference(tree.parent_row, tree.num_nodes, 12))
+
+
+@pytest.mark.parametrize("budget", [13, -1, [1, 2], [1.0, 2.0, 3.0], [[1, 2, 3]]])
+def test_node_budget_rejects_bad_values(budget):
+    params = GraphParams(node_budget=12, top_k=3, max_depth=3, merge_ngram=1)
+    builder, _, _ = build(params, batch=3, vocab=4, seed=5)
+    with pytest.raises(ValueError, match="node_budget"):
+        builder.build_tree(np.array(budget) if isinstance(budget, list) else budget)
+
+
+@pytest.mark.parametrize("merge_ngram", [0, 1, 2])
+def test_degenerate_hashes_give_the_same_graph(monkeypatch, merge_ngram):
+    """Every hash of the merge rule colliding (hash-set slots, same-level groups, n-gram keys)
+    must only cost time: candidates are confirmed exactly."""
+    params = GraphParams(node_budget=30, top_k=3, max_depth=5, merge_ngram=merge_ngram)
+    expected, _, _ = build(params, batch=4, vocab=3, seed=11)
+    monkeypatch.setattr(builder_module, "_GOLDEN", np.uint64(0))
+    monkeypatch.setattr(builder_module, "_ngram_key", lambda prefix, last: np.ones(np.broadcast_shapes(
+        prefix.shape[:-1], last.shape), dtype=np.int64))
+    got, _, _ = build(params, batch=4, vocab=3, seed=11)
+    graph, reference = got.graph(), expected.graph()
+    assert reference.num_merges.sum() > 0
+    for name in ("token_ids", "parent_row", "path_prob", "pseudo_src", "pseudo_dst", "pseudo_request", "num_merges"):
+        assert np.array_equal(getattr(graph, name), getattr(reference, name)), name
+    assert torch.equal(got.build_tree().parent_row, expected.build_tree().parent_row)
+
+
+def test_many_copies_are_pruned_by_the_best_so_far(monkeypatch):
+    """With two tokens and r = 0 nearly every child merges, so the DAG has far more paths than
+    N: past 2N generated nodes per request the N-th best so far prunes too, and the tree is
+    still the exact top N."""
+    calls = []
+    original = unroll_module._nth_best_so_far
+    monkeypatch.setattr(unroll_module, "_nth_best_so_far", lambda *a: calls.append(1) or original(*a))
+    params = GraphParams(node_budget=16, top_k=2, max_depth=6, merge_ngram=0)
+    builder, frontiers, history = build(params, batch=3, vocab=2, seed=2)
+    check_tree(builder.build_tree(), check_graph(builder, frontiers, history, params), params)
+    assert calls

@@ -1,4 +1,4 @@
-"""Tree acceptance on a batch of flattened verification trees (plain torch, no per-node loops).
+"""Tree acceptance on a batch of flattened verification trees (tensors, no per-node loops).
 
 Rows follow contracts.md: row 0 is the root, row i+1 is node i. A walk starts at the root; at
 row r the target's token for that row decides: if a child of r (a node with parent_row == r)
@@ -7,12 +7,14 @@ walk stops. Every function returns AcceptedPaths in vLLM's SamplerOutput layout.
 
 Loops are over walk steps (at most the tree depth + 1) and, for recursive rejection, over the
 candidate slots of one node (at most top_k); everything inside is batched over requests.
+walk_tree runs the same steps in numpy for CPU tensors (far cheaper per small op than torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -44,29 +46,80 @@ def walk_tree(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes
     draw for sampling). From row r with target token t: move to the first (lowest-row) child of
     r whose token is t; if none, emit t and stop. Output token j is row_target_token at
     accepted row j, so the accepted nodes' tokens are followed by the target's bonus token.
+
+    First every row's next row is found at once (its lowest-row child carrying the target's
+    token at that row); the walk then takes one gather per accepted node. A node whose parent
+    is not an earlier row (off contract) is never entered. CPU tensors take the numpy twin of
+    the same steps (numpy costs far less per small op); the results are the inputs' device.
     """
+    tensors = (draft_token_ids, parent_row, num_nodes, row_target_token)
+    if all(tensor.device.type == "cpu" for tensor in tensors):
+        rows, tokens, accepted = _walk_tree_numpy(*(_int64_array(tensor) for tensor in tensors))
+        return AcceptedPaths(torch.from_numpy(rows), torch.from_numpy(tokens), torch.from_numpy(accepted))
+    return _walk_tree_torch(*tensors)
+
+
+def _int64_array(tensor: torch.Tensor) -> np.ndarray:
+    """The (CPU) tensor as an int64 numpy array, without a copy when it already is one."""
+    if tensor.dtype == torch.int64 and not tensor.requires_grad:
+        return tensor.numpy()
+    return tensor.detach().to(torch.int64).numpy()
+
+
+def _walk_tree_torch(draft_token_ids, parent_row, num_nodes, row_target_token) -> AcceptedPaths:
     batch, budget = draft_token_ids.shape
     device = draft_token_ids.device
-    is_node = _node_mask(draft_token_ids, num_nodes)
-    batch_index = torch.arange(batch, device=device)
-    accepted_rows = torch.full((batch, budget + 1), -1, dtype=torch.long, device=device)
-    output_token_ids = torch.full((batch, budget + 1), -1, dtype=torch.long, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.long, device=device)
-    current = torch.zeros(batch, dtype=torch.long, device=device)
-    active = torch.ones(batch, dtype=torch.bool, device=device)
-    for step in range(budget + 1):
-        target = row_target_token[batch_index, current]
-        accepted_rows[:, step] = torch.where(active, current, -1)
-        output_token_ids[:, step] = torch.where(active, target, -1)
-        match = is_node & (parent_row == current.unsqueeze(1)) & (draft_token_ids == target.unsqueeze(1))
-        moved = active & match.any(1)
-        if not bool(moved.any()):
+    stop = budget + 1  # a column past the last row, where a walk rests once it has stopped
+    rows = torch.arange(1, budget + 1, device=device)
+    is_node = (rows <= num_nodes.to(device).unsqueeze(1)) & (parent_row >= 0) & (parent_row < rows)
+    parent = torch.where(is_node, parent_row, 0)
+    match = is_node & (row_target_token.gather(1, parent) == draft_token_ids)
+    next_row = torch.full((batch, budget + 2), stop, dtype=torch.long, device=device)
+    next_row.scatter_reduce_(1, torch.where(match, parent, stop), torch.where(match, rows, stop), "amin")
+
+    current = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    path = [current]
+    for _ in range(budget):
+        current = next_row.gather(1, current)
+        if bool((current == stop).all()):
             break
-        child_row = match.to(torch.uint8).argmax(1) + 1  # first matching child
-        current = torch.where(moved, child_row, current)
-        num_accepted += moved.long()
-        active = moved
-    return AcceptedPaths(accepted_rows, output_token_ids, num_accepted)
+        path.append(current)
+    path.append(torch.full((batch, budget + 1 - len(path)), stop, dtype=torch.long, device=device))
+    path_rows = torch.cat(path, 1)  # [B, N + 1]
+    stopped = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    output_token_ids = torch.cat([row_target_token.long(), stopped], 1).gather(1, path_rows)
+    accepted_rows = torch.where(path_rows == stop, -1, path_rows)
+    return AcceptedPaths(accepted_rows, output_token_ids, (path_rows != stop).sum(1) - 1)
+
+
+def _walk_tree_numpy(draft_token_ids, parent_row, num_nodes, row_target_token):
+    """walk_tree's steps on numpy arrays (same layout); returns (rows, tokens, num_accepted)."""
+    batch, budget = draft_token_ids.shape
+    stop = budget + 1  # a column past the last row, where a walk rests once it has stopped
+    rows = np.arange(1, budget + 1, dtype=np.uint64)
+    # A parent must be an earlier row: as unsigned, a negative one is never below `rows`.
+    is_node = (rows <= np.maximum(num_nodes, 0).astype(np.uint64)[:, None]) & (parent_row.view(np.uint64) < rows)
+    target_base = (np.arange(batch) * (budget + 1))[:, None]
+    match = is_node & (row_target_token.reshape(-1)[np.where(is_node, parent_row, 0) + target_base] == draft_token_ids)
+    # next_row[b * (N+2) + r]: the lowest matching child of row r (nonzero goes by row).
+    matched = match.reshape(-1).nonzero()[0]
+    matched_request, matched_node = np.divmod(matched, budget)
+    next_row = np.full(batch * (budget + 2), stop, dtype=np.int64)
+    np.minimum.at(next_row, matched_request * (budget + 2) + parent_row.reshape(-1)[matched], matched_node + 1)
+
+    base = np.arange(batch) * (budget + 2)
+    path = np.full((batch, budget + 1), stop, dtype=np.int64)
+    current = np.zeros(batch, dtype=np.int64)
+    path[:, 0] = 0
+    for step in range(1, budget + 1):
+        current = next_row[base + current]
+        if (current == stop).all():
+            break
+        path[:, step] = current
+    stopped = path == stop
+    targets = np.concatenate([row_target_token, np.full((batch, 1), -1, dtype=np.int64)], axis=1)
+    tokens = targets.reshape(-1)[path + base[:, None]]
+    return np.where(stopped, -1, path), tokens, (budget + 1) - stopped.sum(1) - 1
 
 
 def greedy_accept(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes: torch.Tensor,

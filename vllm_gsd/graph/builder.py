@@ -14,38 +14,47 @@ order, then by the draft's top-k rank); row 0 is the root. Every node has one *p
 The draft computes node g's KV along its primary path only, hence `draft_ancestor_words` is the
 primary tree; the verification tree unrolls every DAG path (unroll.py).
 
-Budget: each level's new nodes compete for the request's remaining budget (N minus the nodes
-already drafted) by path probability, ties in creation order. Nodes of earlier levels are never
-evicted (their rows and draft KV are fixed), so the graph is the most likely nodes level by
-level; the verification tree (unroll.py) then takes the exact top-N of the unrolled DAG.
+One level (`expand`) is the paper's draft step:
+1. proposals: each frontier node's top-k children, pruned (sibling ratio, bad or repeated ids);
+2. merge rule: a child token t of parent P becomes a pseudo edge P -> M when a drafted node M has
+   the same (r+1)-gram (its token t and the r tokens before it along its primary path, continuing
+   into the history), depth not compared, and the edge cannot close a cycle (_match_existing).
+   M is not expanded again for P: that is the draft work saved;
+3. children of one level with the same n-gram collapse into one new node (the most likely one)
+   and pseudo edges to it (_same_level_leaders);
+4. budget: the level's new nodes compete for the request's remaining budget (N minus the nodes
+   already drafted) by path probability, ties in creation order. Nodes of earlier levels are
+   never evicted (their rows and draft KV are fixed), so the graph is the most likely nodes level
+   by level; the verification tree (unroll.py) then takes the exact top-N of the unrolled DAG;
+5. the new nodes that are not leaves form the next frontier.
 
-Merges: a child token t of parent P becomes a pseudo edge P -> M when a drafted node M has the
-same (r+1)-gram (its token t and the r tokens before it along its primary path, continuing into
-the history), depth not compared, and the edge cannot close a cycle (see _match_existing).
-Children of one level with the same n-gram collapse into one new node (the most likely one) and
-pseudo edges to it. M is not expanded again for P: that is the draft work saved.
-
-All bookkeeping is numpy on the CPU, vectorized over every frontier row of every request; the
-Python loops are over levels, over the rare chains of same-level merges (reachability closure),
-and a never-taken exact fallback for a 64-bit hash collision. Inputs may live on any device;
-outputs are CPU tensors.
+All bookkeeping is numpy on the CPU, vectorized over every frontier row of every request, with
+1-D gathers and scatters: nodes are addressed by flat ids (request * (N + 1) + row), candidates
+by f * k + j (frontier row f, top-k column j). State only later levels read (merge rule) is not
+written at the last level, and the draft ancestor words are brought up to date when read.
+Python loops are over levels, top-k columns, bitset words and the rare chains of same-level
+merges (reachability closure). Inputs may live on any device; outputs are CPU tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .ancestors import num_ancestor_words, own_bit_words_numpy
+from .ancestors import own_bit_words_numpy
+from .ordering import best_in_group, best_of_runs, runs_of_equal
 from .params import GraphParams
 
 if TYPE_CHECKING:
     from .unroll import VerificationTree
 
 _NO_ROW = np.iinfo(np.int64).max
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -84,64 +93,59 @@ class HypothesisGraph:
     pseudo_rank: np.ndarray  # int64 [E], top-k column of the token at P
     num_merges: np.ndarray  # int64 [B]
     expansions_saved: np.ndarray  # int64 [B]
+    # Every edge (primary and pseudo) by source: entry (b * (N+1) + row) * top_k + rank is the
+    # edge the draft proposed at that rank from that node.
+    out_node: np.ndarray  # int64 [B * (N+1) * top_k], flat destination node b * (N+1) + row, -1 = none
+    out_prob: np.ndarray  # float64 [B * (N+1) * top_k], draft prob of the edge
+    out_pseudo: np.ndarray  # bool [B * (N+1) * top_k], a pseudo edge
+    has_children: np.ndarray  # bool [B * (N+1)], the node has an out-edge
 
 
-def _ngram_key(gram: np.ndarray) -> np.ndarray:
-    """int64 [...] key of int64 [..., L] n-grams; exact (a packing) when L <= 2, else a hash.
+@dataclass
+class _Proposals:
+    """One level's proposed children. Candidate c = f * k + j is column j of frontier row f."""
 
-    Tokens are >= -1 and < 2^31, so token + 1 fits 32 bits and two tokens pack into one int64.
-    """
-    shifted = gram + 1
-    if gram.shape[-1] == 1:
-        return shifted[..., 0]
-    if gram.shape[-1] == 2:
-        return (shifted[..., 0] << 32) | shifted[..., 1]
-    key = np.zeros(gram.shape[:-1], dtype=np.int64)
-    with np.errstate(over="ignore"):
-        for column in range(gram.shape[-1]):
-            key = key * np.int64(1_000_003) + shifted[..., column]  # wraps mod 2^64 on purpose
-    return key
+    request: np.ndarray  # int64 [F], the frontier rows' requests
+    parent: np.ndarray  # int64 [F], the frontier rows (graph rows)
+    parent_node: np.ndarray  # int64 [F], their flat node ids
+    width: int  # k
+    token: np.ndarray  # int64 [F * k]
+    prob: np.ndarray  # float64 [F * k], draft prob at the parent
+    path_prob: np.ndarray  # float64 [F * k]
+    valid: np.ndarray  # bool [F * k], survives the pruning
+    expandable: np.ndarray | None  # bool [F * k], not a leaf (None: all are)
+    key: np.ndarray | None = None  # int64 [F * k], n-gram key (merging only)
+    slot: np.ndarray | None = None  # int64 [F * k], hash-set slot of the key (merging only)
 
-
-def _small_ints(values: np.ndarray) -> np.ndarray:
-    """The same integers as int16 when they fit, so numpy's stable sort uses radix sort."""
-    if values.size and 0 <= values.min() and values.max() < 2**15:
-        return values.astype(np.int16)
-    return values
+    def frontier_index(self, candidate: np.ndarray) -> np.ndarray:
+        return candidate // self.width
 
 
-def order_by_request_desc(request: np.ndarray, value: np.ndarray, *finer: np.ndarray) -> np.ndarray:
-    """Permutation sorting items by request ascending, then value descending, then each array of
-    `finer` ascending (later = coarser), then original index. Stable argsorts, no lexsort."""
-    order = np.arange(request.size)
-    for key in finer:
-        order = order[np.argsort(key[order], kind="stable")]
-    order = order[np.argsort(-value[order], kind="stable")]
-    return order[np.argsort(_small_ints(request[order]), kind="stable")]
+@lru_cache(maxsize=64)
+def _reach_bits(budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bit m-1 of a reach set <-> drafted row m: (word [N], shift [N] uint64, own [words, N+1]
+    uint64 with row m's bit), cached read-only."""
+    bit = np.arange(budget)
+    word, shift = bit >> 6, (bit & 63).astype(np.uint64)
+    own = np.zeros(((budget + 63) // 64, budget + 1), dtype=np.uint64)
+    own[word, bit + 1] = np.left_shift(np.uint64(1), shift)
+    for array in (word, shift, own):
+        array.flags.writeable = False
+    return word, shift, own
 
 
-def rank_within_request(request: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """rank[i] = position of item i in `order` counted from the first item of its request
-    (`order` sorts items by request first)."""
-    sorted_request = request[order]
-    first = np.searchsorted(sorted_request, sorted_request, side="left")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(order.size) - first
-    return rank
-
-
-def _own_bits64(num_rows: int) -> np.ndarray:
-    """uint64 [num_rows, cdiv(num_rows, 64)]: row r has only bit r set."""
-    words = np.zeros((num_rows, (num_rows + 63) // 64), dtype=np.uint64)
-    rows = np.arange(num_rows)
-    words[rows, rows // 64] = np.left_shift(np.uint64(1), (rows % 64).astype(np.uint64))
-    return words
-
-
-def _unpack_bits64(words: np.ndarray, num_rows: int) -> np.ndarray:
-    """bool [..., num_rows] from uint64 bitsets [..., W] (bit m of word m // 64)."""
-    as_bytes = np.ascontiguousarray(words).view(np.uint8)
-    return np.unpackbits(as_bytes, axis=-1, bitorder="little")[..., :num_rows].astype(bool)
+def _ngram_key(prefix: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """int64 key of the n-grams (prefix[..., :], last) (broadcast), never 0 for a token >= 0;
+    exact (a packing) when n <= 2, else an (odd) hash. Tokens are >= -1 and < 2^31, so token + 1
+    fits 32 bits and two tokens pack into one int64."""
+    if prefix.shape[-1] == 0:
+        return last + 1
+    if prefix.shape[-1] == 1:
+        return ((prefix[..., 0] + 1) << 32) | (last + 1)
+    key = np.zeros(prefix.shape[:-1], dtype=np.int64)
+    for column in range(prefix.shape[-1]):
+        key = key * 1_000_003 + (prefix[..., column] + 1)  # array ops wrap mod 2^64 on purpose
+    return (key * 1_000_003 + (last + 1)) | 1
 
 
 class GraphBuilder:
@@ -160,45 +164,58 @@ class GraphBuilder:
         num_rows = budget + 1
         self._batch, self._budget, self._num_rows = batch, budget, num_rows
 
-        self._token = np.full((batch, num_rows), -1, dtype=np.int64)
+        # Node arrays [B, N+1] (few allocations: they are rows of one block per dtype).
+        self._token, self._parent, self._child_rank = np.full((3, batch, num_rows), -1, dtype=np.int64)
         self._token[:, 0] = roots
-        self._parent = np.full((batch, num_rows), -1, dtype=np.int64)
         self._depth = np.zeros((batch, num_rows), dtype=np.int64)
-        self._edge_prob = np.zeros((batch, num_rows), dtype=np.float64)
-        self._edge_prob[:, 0] = 1.0
-        self._path_prob = np.zeros((batch, num_rows), dtype=np.float64)
-        self._path_prob[:, 0] = 1.0
-        self._child_rank = np.full((batch, num_rows), -1, dtype=np.int64)
-        self._num_nodes = np.zeros(batch, dtype=np.int64)
-        self._num_merges = np.zeros(batch, dtype=np.int64)
-        self._expansions_saved = np.zeros(batch, dtype=np.int64)
-        # Primary-tree ancestor words: padding rows keep only their own bit (contracts.md).
-        self._draft_words = np.broadcast_to(
-            own_bit_words_numpy(num_rows), (batch, num_rows, num_ancestor_words(num_rows))).copy()
-        # Bitset over rows (uint64 words): bit m of reach[b, x] is set iff node m reaches node x
-        # in the DAG (primary + pseudo edges), or m == x.
-        self._reach_words = (num_rows + 63) // 64
-        self._own_reach = _own_bits64(num_rows)
-        self._reach = np.broadcast_to(self._own_reach, (batch, num_rows, self._reach_words)).copy()
-
-        merge_ngram = params.merge_ngram
-        if merge_ngram >= 0:
-            # gram[b, g] = the (r+1) tokens ending at node g along its primary path (into history).
-            history = history_token_ids.detach().to("cpu", torch.int64).numpy().reshape(batch, -1)
-            context = np.full((batch, merge_ngram), -1, dtype=np.int64)
-            take = min(merge_ngram, history.shape[1])
-            if take:
-                context[:, merge_ngram - take:] = history[:, history.shape[1] - take:]
-            self._gram = np.full((batch, num_rows, merge_ngram + 1), -1, dtype=np.int64)
-            self._gram[:, 0, :merge_ngram] = context
-            self._gram[:, 0, merge_ngram] = roots
-            self._key = np.zeros((batch, num_rows), dtype=np.int64)
-            self._key[:, 0] = _ngram_key(self._gram[:, 0])
+        self._edge_prob, self._path_prob = np.zeros((2, batch, num_rows), dtype=np.float64)
+        self._edge_prob[:, 0] = self._path_prob[:, 0] = 1.0
+        self._num_nodes, self._num_merges, self._expansions_saved = np.zeros((3, batch), dtype=np.int64)
+        self._out_node = np.full(batch * num_rows * params.top_k, -1, dtype=np.int64)
+        self._out_prob = np.zeros(batch * num_rows * params.top_k, dtype=np.float64)
+        self._out_pseudo = np.zeros(batch * num_rows * params.top_k, dtype=bool)
+        self._has_children = np.zeros(batch * num_rows, dtype=bool)
+        # Primary-tree ancestor words, flat [B * (N+1) * W]; padding rows keep only their own
+        # bit (contracts.md). New nodes are queued and OR-ed in when the words are read.
+        own = own_bit_words_numpy(num_rows)
+        self._num_words = own.shape[1]
+        self._draft_words = np.tile(own.reshape(-1), batch)
+        self._pending_words: list[tuple[np.ndarray, np.ndarray]] = []
+        if params.merging:
+            self._init_merge_state(roots, history_token_ids)
 
         self._pseudo: list[tuple[np.ndarray, ...]] = []
         self._levels_expanded = 0
         self._frontier_request = np.arange(batch, dtype=np.int64)
         self._frontier_row = np.zeros(batch, dtype=np.int64)
+
+    def _init_merge_state(self, roots: np.ndarray, history_token_ids: torch.Tensor) -> None:
+        """The merge rule's per-node state, addressed by flat node id:
+
+        context [B*(N+1), r] (r >= 2 only): the r tokens ending at the node along its primary
+        path, continuing into the history; for r <= 1 the node's own token is its context.
+        key: the _ngram_key of the node's (r+1)-gram (the r tokens before it, then its token),
+        never 0; 0 for the root and padding rows, which are never merge targets.
+        seen [B * 2^bits]: a hash set per request of the keys of the drafted nodes, so only
+        candidates that may merge are compared exactly (false positives <= N / 2^bits).
+        reach [words, B*(N+1)] uint64: bit m-1 of reach[:, x] is set iff drafted node m reaches
+        x in the DAG (primary + pseudo edges), m == x included; the root is left out (it reaches
+        every node and no edge enters it).
+        """
+        batch, num_rows, merge_ngram = self._batch, self._num_rows, self.params.merge_ngram
+        if merge_ngram >= 2:
+            history = history_token_ids.detach().to("cpu", torch.int64).numpy().reshape(batch, -1)
+            self._context = np.full((batch * num_rows, merge_ngram), -1, dtype=np.int64)
+            take = min(merge_ngram - 1, history.shape[1])
+            if take:
+                self._context[::num_rows, merge_ngram - 1 - take:-1] = history[:, history.shape[1] - take:]
+            self._context[::num_rows, -1] = roots
+        self._key = np.zeros(batch * num_rows, dtype=np.int64)
+        self._slot_bits = max(6, (16 * self._budget - 1).bit_length())
+        self._seen = np.zeros(batch << self._slot_bits, dtype=bool)
+
+        self._bit_word, self._bit_shift, self._own_reach = _reach_bits(self._budget)
+        self._reach = np.zeros((self._own_reach.shape[0], batch * num_rows), dtype=np.uint64)
 
     # ---------------------------------------------------------------- engine-facing API
 
@@ -207,18 +224,32 @@ class GraphBuilder:
         if self._frontier_request.size == 0 or self._levels_expanded >= self.params.max_depth:
             return None
         request, row = self._frontier_request, self._frontier_row
+        node = request * self._num_rows + row
         return Frontier(
             request_index=torch.from_numpy(request.copy()),
             node_row=torch.from_numpy(row.copy()),
-            depth=torch.from_numpy(self._depth[request, row]),
-            token_ids=torch.from_numpy(self._token[request, row]),
+            depth=torch.from_numpy(self._depth.reshape(-1)[node]),
+            token_ids=torch.from_numpy(self._token.reshape(-1)[node]),
         )
 
     @property
     def draft_ancestor_words(self) -> torch.Tensor:
         """int32 [B, N + 1, W]: primary-tree ancestor bitmask over graph rows (a copy: the
         builder keeps writing its own array, and the engine may still be copying this one)."""
-        return torch.from_numpy(self._draft_words.copy())
+        words = self._draft_words
+        for node, parent_node in self._pending_words:  # level order: parents are final
+            at, above = self._word_index(node), self._word_index(parent_node)
+            words[at] = words[at] | words[above]
+        self._pending_words.clear()
+        return torch.from_numpy(words.reshape(self._batch, self._num_rows, self._num_words).copy())
+
+    def _word_index(self, node: np.ndarray) -> np.ndarray:
+        """Flat indices of the ancestor words of flat nodes, [nodes * W]."""
+        index = np.empty((node.size, self._num_words), dtype=np.int64)
+        first = node * self._num_words
+        for word in range(self._num_words):
+            index[:, word] = first + word
+        return index.reshape(-1)
 
     @property
     def num_graph_nodes(self) -> torch.Tensor:
@@ -234,137 +265,135 @@ class GraphBuilder:
         allows (a pseudo edge, no new node), and the remaining new nodes compete for the
         request's node budget by path probability.
         """
+        proposals = self._propose(topk_token_ids, topk_probs)  # 1.
+        # 2. merges into drafted nodes (candidate ids and target rows).
+        existing, existing_dst = _EMPTY, _EMPTY
+        if self.params.merging and self._num_nodes.any():
+            existing, existing_dst = self._match_existing(proposals)
+        fresh = proposals.valid
+        if existing.size:
+            fresh = fresh.copy()
+            fresh[existing] = False
+        fresh = fresh.nonzero()[0]  # candidate ids, in creation order (grouped by request)
+        fresh_pos = proposals.frontier_index(fresh)
+        fresh_request = proposals.request[fresh_pos]
+        fresh_pp = proposals.path_prob[fresh]
+        # 3. same-level duplicates collapse into a leader; the others will point at it.
+        leader_of = None  # index into `fresh` of each one's leader
+        request = proposals.request  # only children of two frontier rows of one request can collide
+        if self.params.merging and fresh.size > 1 and (request[1:] == request[:-1]).any():
+            leader_of = self._same_level_leaders(proposals, fresh, fresh_pp)
+        leader = np.arange(fresh.size) if leader_of is None else (leader_of == np.arange(fresh.size)).nonzero()[0]
+        # 4. budget: leaders compete per request by path prob (ties: creation order).
+        new_request = fresh_request[leader]
+        remaining = self._budget - self._num_nodes
+        count = np.bincount(new_request, minlength=self._batch)
+        if (count > remaining).any():
+            kept = best_in_group(new_request, fresh_pp[leader], remaining, count)
+            leader, new_request, count = leader[kept], new_request[kept], np.minimum(count, remaining)
+        new, new_pos = fresh[leader], fresh_pos[leader]  # ascending = creation order, by request
+        # Rows continue each request's numbering, in creation order.
+        new_row = (self._num_nodes + 1 - (count.cumsum() - count))[new_request] + np.arange(new.size)
+
+        # Pseudo edges into this level's kept leaders.
+        follower, follower_dst = _EMPTY, _EMPTY
+        if leader_of is not None:
+            row_of_fresh = np.zeros(fresh.size, dtype=np.int64)
+            row_of_fresh[leader] = new_row
+            others = (leader_of != np.arange(fresh.size)).nonzero()[0]
+            follower_dst = row_of_fresh[leader_of[others]]
+            follower, follower_dst = fresh[others[follower_dst > 0]], follower_dst[follower_dst > 0]
+
+        new_node = new_request * self._num_rows + new_row
+        new_parent_node = proposals.parent_node[new_pos]
+        self._add_nodes(proposals, new, new_pos, count, new_node, new_parent_node)
+
+        # 5. next frontier: new nodes that are not leaves. A request whose graph is full stops
+        # drafting: its children could only be merges.
+        expandable = self._num_nodes[new_request] < self._budget
+        if proposals.expandable is not None:
+            expandable &= proposals.expandable[new]
+        if expandable.all():
+            self._frontier_request, self._frontier_row = new_request, new_row
+        else:
+            self._frontier_request, self._frontier_row = new_request[expandable], new_row[expandable]
+        if self.params.merging and self._frontier_request.size:  # only later levels read it
+            self._update_merge_state(proposals, existing, existing_dst, new, new_node, new_parent_node,
+                                     new_row, follower, follower_dst)
+        self._add_pseudo_edges(proposals, np.concatenate([existing, follower]),
+                               np.concatenate([existing_dst, follower_dst]))
+
+    def graph(self) -> HypothesisGraph:
+        """A copy of the graph built so far."""
+        return self._snapshot(copy=True)
+
+    def build_tree(self, node_budget: torch.Tensor | np.ndarray | int | None = None) -> VerificationTree:
+        """Unroll the graph into the flattened verification tree (see unroll.unroll_graph).
+
+        node_budget: how many tree nodes request b keeps, int64 [B] or one int for all, each in
+        0..N; None = N. The tree keeps its node_budget[b] best nodes by path probability.
+        """
+        from .unroll import unroll_graph
+
+        return unroll_graph(self._snapshot(copy=False), node_budget)
+
+    # ---------------------------------------------------------------- one level
+
+    def _propose(self, topk_token_ids: torch.Tensor, topk_probs: torch.Tensor) -> _Proposals:
+        """Step 1: the frontier's children as candidates, pruned (sibling ratio, bad ids,
+        duplicate ids within a row: the first one wins)."""
         params = self.params
         request, parent = self._frontier_request, self._frontier_row
         num_frontier = request.size
         if num_frontier == 0:
             raise RuntimeError("expand() called with an empty frontier")
-        tokens = topk_token_ids.detach().to("cpu", torch.int64).numpy()[:, : params.top_k]
-        probs = topk_probs.detach().to("cpu", torch.float64).numpy()[:, : params.top_k]
+        tokens = topk_token_ids.detach().cpu().numpy()[:, : params.top_k]
+        probs = topk_probs.detach().cpu().numpy()[:, : params.top_k]
         if tokens.shape[0] != num_frontier or probs.shape != tokens.shape:
             raise ValueError(f"expected [{num_frontier}, k] top-k tensors, got {tuple(tokens.shape)} "
                              f"and {tuple(probs.shape)}")
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        probs = np.ascontiguousarray(probs, dtype=np.float64)
         width = tokens.shape[1]
         self._levels_expanded += 1
 
-        # --- pruning: sibling ratio, bad ids, duplicate ids within a row (first one wins).
-        valid = (probs >= params.min_child_ratio * probs[:, :1]) & (probs > 0) & (tokens >= 0)
-        if width > 1:
-            sorted_tokens = np.sort(tokens, axis=1)
-            if (sorted_tokens[:, 1:] == sorted_tokens[:, :-1]).any():  # rare: only then the k^2 check
-                earlier_same = (tokens[:, :, None] == tokens[:, None, :]) & np.tri(width, k=-1, dtype=bool)
-                valid &= ~earlier_same.any(-1)
-        cand_pp = self._path_prob[request, parent][:, None] * probs  # [F, k]
-        expandable_child = (probs >= params.leaf_prob) & (self._levels_expanded < params.max_depth)
-
-        # --- merge rule.
-        merge_existing = np.zeros((num_frontier, width), dtype=bool)
-        merge_target = np.zeros((num_frontier, width), dtype=np.int64)
+        valid = probs > 0
+        if params.min_child_ratio > 0:
+            valid &= probs >= params.min_child_ratio * probs[:, :1]
+        if tokens.min(initial=0) < 0:
+            valid &= tokens >= 0
+        if width > 1:  # the draft's top-k has distinct ids; bad input may repeat one
+            repeated = tokens[:, 1] == tokens[:, 0]
+            for later in range(2, width):
+                for earlier in range(later):
+                    repeated |= tokens[:, later] == tokens[:, earlier]
+            if repeated.any():
+                for later in range(1, width):
+                    for earlier in range(later):
+                        valid[:, later] &= tokens[:, later] != tokens[:, earlier]
+        parent_node = request * self._num_rows + parent
+        path_prob = self._path_prob.reshape(-1)[parent_node][:, None] * probs
+        expandable = None
+        if self._levels_expanded >= params.max_depth:
+            expandable = np.zeros(probs.size, dtype=bool)
+        elif params.leaf_prob > 0:
+            expandable = (probs >= params.leaf_prob).reshape(-1)
+        proposals = _Proposals(request, parent, parent_node, width, tokens.reshape(-1), probs.reshape(-1),
+                               path_prob.reshape(-1), valid.reshape(-1), expandable)
         if params.merging:
-            cand_gram = np.concatenate(
-                [np.broadcast_to(self._gram[request, parent][:, None, 1:], (num_frontier, width, params.merge_ngram)),
-                 tokens[:, :, None]], axis=-1)  # [F, k, r+1]
-            cand_key = _ngram_key(cand_gram)
-            if self._num_nodes.any():
-                merge_existing, merge_target = self._match_existing(request, parent, valid, cand_gram, cand_key)
-        else:
-            cand_gram = tokens[:, :, None]
-            cand_key = tokens
+            if params.merge_ngram == 0:
+                key = tokens + 1
+            elif params.merge_ngram == 1:
+                key = ((self._token.reshape(-1)[parent_node] + 1) << 32)[:, None] | (tokens + 1)
+            else:
+                key = _ngram_key(self._context[parent_node, None, :], tokens)
+            proposals.key = key.reshape(-1)
+            hashed = (proposals.key.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._slot_bits)
+            proposals.slot = ((request << self._slot_bits)[:, None] + hashed.astype(np.int64).reshape(-1, width)).reshape(-1)
+        return proposals
 
-        # --- new-node candidates: same-level duplicates (same request and n-gram) collapse into
-        # a leader (highest path prob, then first in creation order); the others merge into it.
-        flat_index = np.arange(num_frontier * width, dtype=np.int64).reshape(num_frontier, width)
-        fresh = valid & ~merge_existing
-        fresh_flat = flat_index[fresh]
-        fresh_request = np.repeat(request, width).reshape(num_frontier, width)[fresh]
-        fresh_pp = cand_pp[fresh]
-        leader_of = fresh_flat.copy()  # flat index of each fresh candidate's leader
-        if params.merging and fresh_flat.size > 1:
-            leader_of = self._same_level_leaders(fresh_flat, fresh_request, fresh_pp, cand_key[fresh], cand_gram[fresh])
-        is_leader = leader_of == fresh_flat
-
-        # --- budget: leaders compete per request by path prob (ties: creation order).
-        leader_flat = fresh_flat[is_leader]
-        leader_request = fresh_request[is_leader]
-        leader_pp = fresh_pp[is_leader]
-        remaining = self._budget - self._num_nodes
-        if (np.bincount(leader_request, minlength=self._batch) <= remaining).all():
-            kept_leader = np.ones(leader_flat.size, dtype=bool)  # everyone fits
-        else:
-            rank = rank_within_request(leader_request, order_by_request_desc(leader_request, leader_pp))
-            kept_leader = rank < remaining[leader_request]
-        new_flat = leader_flat[kept_leader]  # ascending = creation order, grouped by request
-        new_request = leader_request[kept_leader]
-
-        # --- rows of the new nodes.
-        per_request = np.bincount(new_request, minlength=self._batch)
-        request_offset = np.cumsum(per_request) - per_request
-        new_row = self._num_nodes[new_request] + 1 + (np.arange(new_flat.size) - request_offset[new_request])
-        new_frontier_pos, new_rank = np.divmod(new_flat, width)
-        new_parent = parent[new_frontier_pos]
-        row_of_flat = np.full(num_frontier * width, -1, dtype=np.int64)
-        row_of_flat[new_flat] = new_row
-
-        # --- pseudo edges: into existing nodes, and into same-level leaders that were kept.
-        follower = ~is_leader
-        follower_flat = fresh_flat[follower]
-        follower_dst = row_of_flat[leader_of[follower]]
-        follower_flat, follower_dst = follower_flat[follower_dst >= 0], follower_dst[follower_dst >= 0]
-        existing_flat = flat_index[merge_existing]
-        existing_dst = merge_target[merge_existing]
-        existing_pos, existing_rank = np.divmod(existing_flat, width)
-        follower_pos, follower_rank = np.divmod(follower_flat, width)
-
-        # Reachability: edges into existing nodes first (they may change a frontier node's
-        # ancestors), then new nodes inherit their parent's set, then edges into new nodes.
-        self._add_reach_edges(request[existing_pos], parent[existing_pos], existing_dst)
-        self._write_new_nodes(new_request, new_row, new_parent, tokens[new_frontier_pos, new_rank],
-                              probs[new_frontier_pos, new_rank], new_rank,
-                              cand_gram[new_frontier_pos, new_rank] if params.merging else None,
-                              cand_key[new_frontier_pos, new_rank] if params.merging else None)
-        self._add_reach_edges_into_new(request[follower_pos], parent[follower_pos], follower_dst)
-
-        edge_pos = np.concatenate([existing_pos, follower_pos])
-        edge_rank = np.concatenate([existing_rank, follower_rank])
-        edge_request = request[edge_pos]
-        if edge_pos.size:
-            self._pseudo.append((edge_request, parent[edge_pos], np.concatenate([existing_dst, follower_dst]),
-                                 probs[edge_pos, edge_rank], edge_rank))
-            self._num_merges += np.bincount(edge_request, minlength=self._batch)
-            saved = expandable_child[edge_pos, edge_rank]
-            self._expansions_saved += np.bincount(edge_request[saved], minlength=self._batch)
-
-        # --- next frontier: new nodes that are not leaves.
-        # A request whose graph is full stops drafting: its children could only be merges.
-        next_mask = expandable_child[new_frontier_pos, new_rank] & (self._num_nodes[new_request] < self._budget)
-        self._frontier_request = new_request[next_mask]
-        self._frontier_row = new_row[next_mask]
-
-    def graph(self) -> HypothesisGraph:
-        """A copy of the graph built so far."""
-        if self._pseudo:
-            pseudo = [np.concatenate(column) for column in zip(*self._pseudo)]
-        else:
-            pseudo = [np.zeros(0, np.int64)] * 3 + [np.zeros(0, np.float64), np.zeros(0, np.int64)]
-        return HypothesisGraph(
-            token_ids=self._token.copy(), parent_row=self._parent.copy(), depth=self._depth.copy(),
-            edge_prob=self._edge_prob.copy(), path_prob=self._path_prob.copy(),
-            child_rank=self._child_rank.copy(), num_nodes=self._num_nodes.copy(),
-            pseudo_request=pseudo[0], pseudo_src=pseudo[1], pseudo_dst=pseudo[2],
-            pseudo_prob=pseudo[3], pseudo_rank=pseudo[4],
-            num_merges=self._num_merges.copy(), expansions_saved=self._expansions_saved.copy(),
-        )
-
-    def build_tree(self) -> VerificationTree:
-        """Unroll the graph into the flattened verification tree (see unroll.unroll_graph)."""
-        from .unroll import unroll_graph
-
-        return unroll_graph(self.graph(), self._budget)
-
-    # ---------------------------------------------------------------- internals
-
-    def _match_existing(self, request, parent, valid, cand_gram, cand_key):
-        """For each candidate [F, k]: may it merge into an existing node, and which one.
+    def _match_existing(self, proposals: _Proposals) -> tuple[np.ndarray, np.ndarray]:
+        """Step 2: (candidate ids, target rows) of the candidates that merge into a drafted node.
 
         A target M has the candidate's n-gram (same token and same r preceding tokens), is a
         drafted node, does not reach the parent P (else P -> M closes a cycle), and passes the
@@ -373,142 +402,199 @@ class GraphBuilder:
         P1 -> M1 ~> P2 -> M2 ~> ... ~> P1 would need rows P1 < P2 < ... < P1, so none exists.
         Among allowed targets the one with the highest path prob (then lowest row) wins.
 
-        Sparse: candidates and drafted nodes are joined on a hash of (request, n-gram key) by
-        binary search; every hash hit is then confirmed exactly.
+        Only candidates whose key is in the request's hash set are compared, exactly, with the
+        keys of all drafted nodes of their request.
         """
-        num_frontier, width = valid.shape
-        merge_existing = np.zeros((num_frontier, width), dtype=bool)
-        merge_target = np.zeros((num_frontier, width), dtype=np.int64)
-        rows = np.arange(self._num_rows)
-        drafted = (rows[None, :] >= 1) & (rows[None, :] <= self._num_nodes[:, None])
-        node_request, node_row = np.nonzero(drafted)
-        cand_f, cand_j = np.nonzero(valid)
-        if node_row.size == 0 or cand_f.size == 0:
-            return merge_existing, merge_target
-        cand_request = request[cand_f]
-        with np.errstate(over="ignore"):
-            node_hash = self._key[node_request, node_row] * np.int64(0x9E3779B1) + node_request
-            cand_hash = cand_key[cand_f, cand_j] * np.int64(0x9E3779B1) + cand_request
-        node_order = np.argsort(node_hash)
-        sorted_hash = node_hash[node_order]
-        low = np.searchsorted(sorted_hash, cand_hash, side="left")
-        count = np.searchsorted(sorted_hash, cand_hash, side="right") - low
-        if not count.any():
-            return merge_existing, merge_target
-        pair_cand = np.repeat(np.arange(cand_f.size), count)
-        pair_node = node_order[np.repeat(low - (np.cumsum(count) - count), count) + np.arange(pair_cand.size)]
-        pair_f, pair_j = cand_f[pair_cand], cand_j[pair_cand]
-        pair_request, pair_m = node_request[pair_node], node_row[pair_node]
-        exact = (pair_request == cand_request[pair_cand]) & \
-            (self._gram[pair_request, pair_m] == cand_gram[pair_f, pair_j]).all(-1)
-        pair_f, pair_j, pair_request, pair_m = pair_f[exact], pair_j[exact], pair_request[exact], pair_m[exact]
-        pair_parent = parent[pair_f]
+        num_rows, nodes = self._num_rows, self._batch * self._num_rows
+        maybe = (proposals.valid & self._seen[proposals.slot]).nonzero()[0]
+        if maybe.size == 0:
+            return _EMPTY, _EMPTY
+        maybe_pos = proposals.frontier_index(maybe)
+        maybe_request = proposals.request[maybe_pos]
+        # Keys of the root and padding rows are 0, which no candidate has.
+        same = np.take(self._key.reshape(self._batch, num_rows), maybe_request, axis=0) == proposals.key[maybe][:, None]
+        pair_cand, pair_m = np.divmod(same.reshape(-1).nonzero()[0], num_rows)  # by candidate, then row
+        if self.params.merge_ngram >= 2:  # the key is a hash: confirm the n-grams
+            cand_gram = np.concatenate([self._context[proposals.parent_node[maybe_pos[pair_cand]]],
+                                        proposals.token[maybe[pair_cand], None]], axis=1)
+            target = maybe_request[pair_cand] * num_rows + pair_m
+            target_gram = np.concatenate([self._context[self._parent.reshape(-1)[target] + target - pair_m],
+                                          self._token.reshape(-1)[target, None]], axis=1)
+            exact = (target_gram == cand_gram).all(1)
+            pair_cand, pair_m = pair_cand[exact], pair_m[exact]
         # M must not reach P.
-        reach_word = self._reach[pair_request, pair_parent, pair_m // 64]
-        allowed = ((reach_word >> (pair_m % 64).astype(np.uint64)) & np.uint64(1)) == 0
-        pair_f, pair_j, pair_request, pair_m, pair_parent = (
-            pair_f[allowed], pair_j[allowed], pair_request[allowed], pair_m[allowed], pair_parent[allowed])
-        if pair_f.size == 0:
-            return merge_existing, merge_target
-        # Ordering rule against same-level cycles.
-        source = np.unique(pair_f)
-        source_reach = _unpack_bits64(self._reach[request[source], parent[source]], self._num_rows)  # [S, R]
-        reach_s, reach_m = np.nonzero(source_reach)
-        min_source_row = np.full((self._batch, self._num_rows), _NO_ROW, dtype=np.int64)
-        np.minimum.at(min_source_row, (request[source][reach_s], reach_m), parent[source][reach_s])
-        allowed = min_source_row[pair_request, pair_m] > pair_parent
-        pair_f, pair_j, pair_request, pair_m = pair_f[allowed], pair_j[allowed], pair_request[allowed], pair_m[allowed]
+        pair_pos = maybe_pos[pair_cand]
+        pair_request = maybe_request[pair_cand]
+        parent_node = proposals.parent_node[pair_pos]
+        reach = self._reach.reshape(-1)
+        bit = pair_m - 1
+        word = reach[parent_node] if self._reach.shape[0] == 1 else reach[self._bit_word[bit] * nodes + parent_node]
+        allowed = (word >> self._bit_shift[bit]) & np.uint64(1) == 0
+        if not allowed.all():
+            pair_cand, pair_m, pair_pos, pair_request, parent_node = (
+                pair_cand[allowed], pair_m[allowed], pair_pos[allowed], pair_request[allowed], parent_node[allowed])
+            if pair_cand.size == 0:
+                return _EMPTY, _EMPTY
+        # Ordering rule against same-level cycles: for each drafted node m, the lowest frontier
+        # row, among the parents P with a pair left, that m reaches. (With one such parent per
+        # request it allows everything: m does not reach its own P.)
+        if ((pair_request[1:] == pair_request[:-1]) & (pair_pos[1:] != pair_pos[:-1])).any():
+            parent_row = proposals.parent[pair_pos]
+            reaches = (reach[self._bit_word * nodes + parent_node[:, None]] >> self._bit_shift) & np.uint64(1)
+            request_start, request_of = runs_of_equal(pair_request)  # pairs come grouped by request
+            lowest_source_row = np.minimum.reduceat(np.where(reaches == 1, parent_row[:, None], _NO_ROW),
+                                                    request_start, axis=0)  # [requests, N]
+            allowed = lowest_source_row[request_of, pair_m - 1] > parent_row
+            pair_cand, pair_m, pair_request = pair_cand[allowed], pair_m[allowed], pair_request[allowed]
+            if pair_cand.size == 0:
+                return _EMPTY, _EMPTY
         # Best target per candidate: highest path prob, then lowest row.
-        pair_cand = pair_f * width + pair_j
-        order = np.lexsort((pair_m, -self._path_prob[pair_request, pair_m], pair_cand))
-        best = order[np.r_[True, pair_cand[order][1:] != pair_cand[order][:-1]]]
-        merge_existing[pair_f[best], pair_j[best]] = True
-        merge_target[pair_f[best], pair_j[best]] = pair_m[best]
-        return merge_existing, merge_target
+        if not (pair_cand[1:] == pair_cand[:-1]).any():
+            return maybe[pair_cand], pair_m
+        cand_start, cand_of = runs_of_equal(pair_cand)
+        pair_pp = self._path_prob.reshape(-1)[pair_request * num_rows + pair_m]
+        return maybe[pair_cand[cand_start]], best_of_runs(cand_start, cand_of, pair_pp, pair_m)
 
-    def _same_level_leaders(self, flat, request, path_prob, key, gram):
-        """Leader (flat index) of each new-node candidate: candidates of one request with the same
-        n-gram collapse into the one with the highest path prob (then the first created)."""
-        with np.errstate(over="ignore"):
-            group_hash = key * np.int64(0x9E3779B1) + request
-        order = np.argsort(group_hash, kind="stable")
-        sorted_hash = group_hash[order]
-        new_group = np.r_[True, sorted_hash[1:] != sorted_hash[:-1]]
-        if new_group.all():  # no duplicates this level
-            return flat
-        starts = np.flatnonzero(new_group)
-        group_of = np.cumsum(new_group) - 1
-        best_pp = np.maximum.reduceat(path_prob[order], starts)
-        first_best = np.minimum.reduceat(np.where(path_prob[order] == best_pp[group_of], flat[order], _NO_ROW), starts)
-        leader_of = np.empty_like(flat)
-        leader_of[order] = first_best[group_of]
-        # A hash collision would group different n-grams: confirm against the leader, and in
-        # that (astronomically rare) case fall back to exact grouping.
-        position = np.searchsorted(flat, leader_of)
-        if not ((request[position] == request).all() and (gram[position] == gram).all()):
-            leader_of = flat.copy()
-            for index in range(flat.size):  # exact fallback, never taken in practice
-                same = np.flatnonzero((request == request[index]) & (gram == gram[index]).all(-1))
-                best = same[path_prob[same] == path_prob[same].max()]
-                leader_of[index] = flat[best].min()
+    def _same_level_leaders(self, proposals: _Proposals, fresh, path_prob):
+        """Step 3: the leader of each new-node candidate `fresh` (an index into it), or None
+        when no two share an n-gram: candidates of one request with the same n-gram collapse
+        into the one with the highest path prob, then the first created.
+
+        Candidates with one n-gram share a hash-set slot, so one sort of the slots finds the few
+        that may collide; only those are grouped, exactly, by (request, n-gram).
+        """
+        index_bits = (fresh.size - 1).bit_length()
+        packed = (proposals.slot[fresh] << index_bits) | np.arange(fresh.size)
+        packed.sort()
+        slot = packed >> index_bits
+        same_next = slot[1:] == slot[:-1]
+        if not same_next.any():
+            return None
+        shares = np.zeros(fresh.size, dtype=bool)
+        shares[1:] = same_next
+        shares[:-1] |= same_next
+        members = packed[shares] & ((1 << index_bits) - 1)  # by slot, then creation order
+        # The slot determines the request; the key is the n-gram (an exact packing) when r <= 1.
+        if self.params.merge_ngram >= 2:
+            pos = proposals.frontier_index(fresh[members])
+            columns = [*self._context[proposals.parent_node[pos]].T, proposals.token[fresh[members]]]
+        else:
+            columns = [proposals.key[fresh[members]]]
+        columns.append(slot[shares])
+        order = np.lexsort(columns)  # by slot, then n-gram; stable: creation order within a group
+        new_group = np.zeros(members.size, dtype=bool)
+        new_group[0] = True
+        for column in columns:
+            sorted_column = column[order]
+            new_group[1:] |= sorted_column[1:] != sorted_column[:-1]
+        if new_group.all():
+            return None
+        run_start, run_of = new_group.nonzero()[0], new_group.cumsum() - 1
+        grouped = members[order]
+        leader_of = np.arange(fresh.size)
+        leader_of[grouped] = best_of_runs(run_start, run_of, path_prob[grouped], grouped)[run_of]
         return leader_of
 
-    def _add_reach_edges(self, edge_request, src, dst) -> None:
-        """Record pseudo edges src -> dst in the reachability matrix (transitively).
+    def _update_merge_state(self, proposals, existing, existing_dst, new, new_node, new_parent_node, new_row,
+                            follower, follower_dst) -> None:
+        """What later levels' merge rule reads: reachability (edges into existing nodes first,
+        since they may change a frontier node's ancestors; then the new nodes inherit their
+        parent's set; then edges into new nodes), keys, contexts and the hash sets."""
+        num_rows = self._num_rows
+        self._add_reach_edges(proposals, existing, existing_dst)
+        for word, own in zip(self._reach, self._own_reach):
+            word[new_node] = word[new_parent_node] | own[new_row]
+        if follower.size:
+            src = proposals.parent_node[proposals.frontier_index(follower)]
+            dst = proposals.request[proposals.frontier_index(follower)] * num_rows + follower_dst
+            for word in self._reach:
+                np.bitwise_or.at(word, dst, word[src])
+        self._key[new_node] = proposals.key[new]
+        self._seen[proposals.slot[new]] = True
+        if self.params.merge_ngram >= 2:
+            self._context[new_node, :-1] = self._context[new_parent_node, 1:]
+            self._context[new_node, -1] = proposals.token[new]
 
-        Every node reachable from dst gains everything that reaches src. Edges of one batch can
-        chain (dst1 reaches src2), so repeat until nothing changes (chains are short). Multiplying
-        a uint64 word by a 0/1 mask selects it; OR-reduction per request merges the edges.
+    def _add_reach_edges(self, proposals: _Proposals, edge: np.ndarray, dst: np.ndarray) -> None:
+        """Record pseudo edges (candidate ids `edge` into drafted rows `dst`) in the reachability
+        sets, transitively: every node reachable from dst gains everything that reaches src.
+
+        Edges of one level can chain (dst1 reaches src2), so repeat until nothing changes (chains
+        are short). Multiplying a uint64 word by a 0/1 mask selects it; OR-reduction per request
+        merges the edges. Edges come grouped by request (candidate order).
         """
-        if edge_request.size == 0:
+        if edge.size == 0:
             return
-        order = np.lexsort((dst, edge_request))
-        edge_request, src, dst = edge_request[order], src[order], dst[order]
-        starts = np.flatnonzero(np.r_[True, edge_request[1:] != edge_request[:-1]])
-        touched = edge_request[starts]
-        dst_word, dst_shift = dst // 64, (dst % 64).astype(np.uint64)
-        src_reach = self._reach[edge_request, src]  # [E, W]: m reaching src
+        num_rows, nodes = self._num_rows, self._batch * self._num_rows
+        edge_request = proposals.request[proposals.frontier_index(edge)]
+        src_node = proposals.parent_node[proposals.frontier_index(edge)]
+        request_start, _ = runs_of_equal(edge_request)
+        touched = (edge_request[request_start][:, None] * num_rows + np.arange(num_rows)).reshape(-1)
+        request_nodes = edge_request[:, None] * num_rows + np.arange(num_rows)  # [E, N+1]
+        dst_word = (self._bit_word[dst - 1] * nodes)[:, None]
+        dst_shift = self._bit_shift[dst - 1][:, None]
+        reach = self._reach.reshape(-1)
+        src_reach = self._reach[:, src_node]  # [words, E]: m reaching src
         while True:
-            request_reach = self._reach[edge_request]  # [E, R, W]
-            dst_words = np.take_along_axis(request_reach, dst_word[:, None, None], axis=2)[:, :, 0]
-            below_dst = (dst_words >> dst_shift[:, None]) & np.uint64(1)  # [E, R]: x reachable from dst
-            gained = np.bitwise_or.reduceat(below_dst[:, :, None] * src_reach[:, None, :], starts, axis=0)
-            self._reach[touched] |= gained
+            below_dst = (reach[dst_word + request_nodes] >> dst_shift) & np.uint64(1)  # [E, N+1]
+            for word, src_word in zip(self._reach, src_reach):
+                word[touched] |= np.bitwise_or.reduceat(below_dst * src_word[:, None], request_start, axis=0).reshape(-1)
             # Converged once no source's set grew: a further pass could only add, to a node
             # below some dst, sets it already received through the source below that dst.
-            new_src_reach = self._reach[edge_request, src]
+            new_src_reach = self._reach[:, src_node]
             if np.array_equal(new_src_reach, src_reach):
                 return
             src_reach = new_src_reach
 
-    def _write_new_nodes(self, new_request, new_row, new_parent, new_token, new_prob, new_rank,
-                         new_gram, new_key) -> None:
-        """Store the new nodes; flat (request * R + row) indices keep the numpy work per array to
-        one gather or scatter."""
-        if new_row.size == 0:
-            return
-        num_rows = self._num_rows
-        node = new_request * num_rows + new_row
-        parent = new_request * num_rows + new_parent
-        self._token.reshape(-1)[node] = new_token
-        self._parent.reshape(-1)[node] = new_parent
-        self._depth.reshape(-1)[node] = self._depth.reshape(-1)[parent] + 1
-        self._edge_prob.reshape(-1)[node] = new_prob
-        self._path_prob.reshape(-1)[node] = self._path_prob.reshape(-1)[parent] * new_prob
-        self._child_rank.reshape(-1)[node] = new_rank
-        words = self._draft_words.reshape(self._batch * num_rows, -1)
-        words[node] |= words[parent]
-        if new_gram is not None:
-            reach = self._reach.reshape(self._batch * num_rows, -1)
-            reach[node] = reach[parent] | self._own_reach[new_row]
-            self._gram.reshape(self._batch * num_rows, -1)[node] = new_gram
-            self._key.reshape(-1)[node] = new_key
-        self._num_nodes += np.bincount(new_request, minlength=self._batch)
+    def _add_nodes(self, proposals: _Proposals, new, pos, count, node, parent_node) -> None:
+        """Store the new nodes (candidate ids `new` of frontier rows `pos`, flat node ids
+        `node`, `count` per request); all of this level's nodes have depth = level."""
+        rank = new - pos * proposals.width
+        prob = proposals.prob[new]
+        self._token.reshape(-1)[node] = proposals.token[new]
+        self._parent.reshape(-1)[node] = proposals.parent[pos]
+        self._depth.reshape(-1)[node] = self._levels_expanded
+        self._edge_prob.reshape(-1)[node] = prob
+        self._path_prob.reshape(-1)[node] = proposals.path_prob[new]
+        self._child_rank.reshape(-1)[node] = rank
+        self._num_nodes += count
+        self._pending_words.append((node, parent_node))
+        slot = parent_node * self.params.top_k + rank
+        self._out_node[slot] = node
+        self._out_prob[slot] = prob
+        self._has_children[parent_node] = True
 
-    def _add_reach_edges_into_new(self, edge_request, src, dst) -> None:
-        """Pseudo edges into this level's new nodes: those have no descendants yet, so only
-        their own reach rows gain the sources' sets (no closure needed)."""
-        if edge_request.size == 0:
+    def _add_pseudo_edges(self, proposals: _Proposals, edge: np.ndarray, dst: np.ndarray) -> None:
+        """Record pseudo edges (candidate ids `edge` into rows `dst`) and the merge statistics."""
+        if edge.size == 0:
             return
-        reach = self._reach.reshape(self._batch * self._num_rows, -1)
-        np.bitwise_or.at(reach, edge_request * self._num_rows + dst, reach[edge_request * self._num_rows + src])
+        pos = proposals.frontier_index(edge)
+        request, rank, prob = proposals.request[pos], edge - pos * proposals.width, proposals.prob[edge]
+        self._pseudo.append((request, proposals.parent[pos], dst, prob, rank))
+        slot = proposals.parent_node[pos] * self.params.top_k + rank
+        self._out_node[slot] = request * self._num_rows + dst
+        self._out_prob[slot] = prob
+        self._out_pseudo[slot] = True
+        self._has_children[proposals.parent_node[pos]] = True
+        self._num_merges += np.bincount(request, minlength=self._batch)
+        saved = request if proposals.expandable is None else request[proposals.expandable[edge]]
+        self._expansions_saved += np.bincount(saved, minlength=self._batch)
+
+    # ---------------------------------------------------------------- snapshots
+
+    def _snapshot(self, copy: bool) -> HypothesisGraph:
+        if self._pseudo:
+            pseudo = [np.concatenate(column) for column in zip(*self._pseudo)]
+        else:
+            pseudo = [_EMPTY] * 3 + [np.zeros(0, np.float64), _EMPTY]
+        own = (lambda array: array.copy()) if copy else (lambda array: array)
+        return HypothesisGraph(
+            token_ids=own(self._token), parent_row=own(self._parent), depth=own(self._depth),
+            edge_prob=own(self._edge_prob), path_prob=own(self._path_prob),
+            child_rank=own(self._child_rank), num_nodes=own(self._num_nodes),
+            pseudo_request=pseudo[0], pseudo_src=pseudo[1], pseudo_dst=pseudo[2],
+            pseudo_prob=pseudo[3], pseudo_rank=pseudo[4],
+            num_merges=own(self._num_merges), expansions_saved=own(self._expansions_saved),
+            out_node=own(self._out_node), out_prob=own(self._out_prob), out_pseudo=own(self._out_pseudo),
+            has_children=own(self._has_children),
+        )
