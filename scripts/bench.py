@@ -44,6 +44,8 @@ class Row:
     mean_acceptance_length: float | None = None
     draft_tokens_per_accepted: float | None = None
     nodes_per_step: float | None = None
+    plain_step_share: float | None = None  # share of steps the adaptive budget ran without drafting
+    step_ms: dict | None = None  # GSD's per-step time split (target, draft, verify, compaction)
     merges: int | None = None
     draft_expansions_saved: int | None = None
     identical_to_no_spec: bool | None = None
@@ -82,16 +84,21 @@ def resolve_pair(name: str, num_prompts: int) -> Pair:
 
 def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
     gsd_knobs = {"top_k": 3, "max_depth": depth, "min_child_ratio": 0.1, "leaf_prob": 0.05}
+    fixed = {**gsd_knobs, "adaptive": False}
     return {
         "no_spec": None,
         "ngram_k4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
         "draft_model_k2": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 2},
         "draft_model_k4": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 4},
         "draft_model_k6": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 6},
-        "gsd_tree": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 12,
+        # The adaptive node budget (the default) chooses per step within N = 24 nodes.
+        "gsd_tree": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                      "gsd": {**gsd_knobs, "merge_ngram": -1}},
-        "gsd_graph": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 12,
+        "gsd_graph": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                       "gsd": {**gsd_knobs, "merge_ngram": 1}},
+        # The same graph with a fixed budget of 12 nodes and every level drafted.
+        "gsd_graph_fixed": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 12,
+                            "gsd": {**fixed, "merge_ngram": 1}},
     }
 
 
@@ -134,6 +141,11 @@ def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max
                     (stats.draft_tokens_computed - stats_before.draft_tokens_computed) / max(accepted, 1), 2)
                 trees = stats.trees_verified - stats_before.trees_verified
                 row.nodes_per_step = round((stats.nodes_verified - stats_before.nodes_verified) / max(trees, 1), 1)
+                delta = {k: getattr(stats, k) - getattr(stats_before, k) for k in vars(stats)}
+                decided = delta["steps_speculated"] + delta["steps_not_speculated"]
+                row.plain_step_share = round(delta["steps_not_speculated"] / max(decided, 1), 2)
+                row.step_ms = {phase: round(delta[f"{phase}_us"] / 1e3 / max(delta["steps"], 1), 1)
+                               for phase in ("target_forward", "draft_step", "verify", "kv_compaction")}
                 row.merges = stats.merges - stats_before.merges
                 row.draft_expansions_saved = stats.draft_expansions_saved - stats_before.draft_expansions_saved
             else:
@@ -161,20 +173,25 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         "",
         "Draft tokens / accepted token: tokens the draft model computed per output token (GSD: "
         "catch-up plus every expanded graph row; counted by GSD only). "
-        "Nodes / step: draft tokens the target verified per request per step. `= no-spec`: greedy "
+        "Nodes / step: draft tokens the target verified per request per step (GSD: per tree). "
+        "Plain steps: share of steps the adaptive budget decoded without drafting. Step split (GSD): "
+        "milliseconds per step of the target forward / draft (catch-up, levels, graph) / tree "
+        "verification / KV compaction, host wall time. `= no-spec`: greedy "
         "output identical to no speculation" + (" (bf16: vLLM's own output depends on the batch "
         "shape at near-ties; exactness is tested in float32)" if pair.dtype != "float32" else "") + ".",
         "",
         "| config | batch | tok/s | x no-spec | mean acc. len | draft tok / accepted tok | nodes / step "
-        "| merges | draft exp. saved | = no-spec |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| plain steps | step split ms | merges | draft exp. saved | = no-spec |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     fmt = lambda v: "" if v is None else str(v)  # noqa: E731
     for r in rows:
         same = "" if r.identical_to_no_spec is None else ("yes" if r.identical_to_no_spec else "**NO**")
+        split = "" if not r.step_ms else " / ".join(str(v) for v in r.step_ms.values())
         lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
                      f"{fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
-                     f"{fmt(r.nodes_per_step)} | {fmt(r.merges)} | {fmt(r.draft_expansions_saved)} | {same} |")
+                     f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {fmt(r.merges)} | "
+                     f"{fmt(r.draft_expansions_saved)} | {same} |")
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -216,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.pair, args.batches, args.num_prompts, args.max_tokens = "tiny", "1,4", 4, 16
         args.batch1_prompts = 2
-        args.configs = args.configs or "no_spec,draft_model_k4,gsd_graph"
+        args.configs = args.configs or "no_spec,draft_model_k4,gsd_graph,gsd_graph_fixed"
     out_dir = Path(args.out or REPO / "docs" / "bench" / args.pair)
     if args.rerender:
         saved = json.loads((out_dir / "results.json").read_text())

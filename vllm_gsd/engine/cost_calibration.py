@@ -18,9 +18,10 @@ import time
 import torch
 from vllm.forward_context import set_forward_context
 
+from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.graph.budget import CostCurve
 
-logger = logging.getLogger("vllm_gsd")
+logger = logging.getLogger(LOGGER_NAME)
 
 MEASURED_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512)
 MAX_MEASURED_TOKENS = MEASURED_TOKENS[-1]

@@ -27,7 +27,9 @@ import logging
 import time
 from dataclasses import asdict, dataclass, fields
 
-logger = logging.getLogger("vllm_gsd")
+from vllm_gsd.engine import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 LOG_INTERVAL_S = 10.0
 

@@ -40,6 +40,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
+from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.engine.cost_calibration import budget_cost_curves
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats
@@ -48,7 +49,7 @@ from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
 from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree
 from vllm_gsd.graph.budget import NodeBudgetPolicy, keep_best_nodes
 
-logger = logging.getLogger("vllm_gsd")
+logger = logging.getLogger(LOGGER_NAME)
 
 
 @dataclass

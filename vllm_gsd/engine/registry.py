@@ -22,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-logger = logging.getLogger("vllm_gsd")
+from vllm_gsd.engine import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
 
 PINNED_VLLM_VERSION = "0.32.0"
 
