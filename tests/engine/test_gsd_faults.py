@@ -34,27 +34,28 @@ def _outputs(llm, prompts, params):
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _step_by_step(llm, prompts, params, abort_after: dict[int, int] | None = None):
+def _step_by_step(llm, prompts, params, abort_at: dict[int, int] | None = None):
     """Run through the engine's own step loop: {request: tokens after each step} and the outputs.
 
-    abort_after: request index -> the step after which that request is aborted (mid-tree)."""
+    abort_at: request index -> abort that request once it has this many tokens (mid-tree)."""
     engine = llm.llm_engine
-    abort_after = abort_after or {}
+    abort_at = abort_at or {}
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
     lengths = {i: [] for i in range(len(prompts))}
-    finished = {}
-    step = 0
+    finished: dict = {}
+    aborted: set[int] = set()
     while engine.has_unfinished_requests():
         for out in engine.step():
             i = int(out.request_id[1:])
             lengths[i].append(len(out.outputs[0].token_ids))
             if out.finished:
                 finished[i] = out.outputs[0]
-        step += 1
-        aborting = [f"r{i}" for i, s in abort_after.items() if s == step and i not in finished]
+        aborting = [i for i, n in abort_at.items()
+                    if i not in finished and i not in aborted and lengths[i] and lengths[i][-1] >= n]
         if aborting:
-            engine.abort_request(aborting)
+            engine.abort_request([f"r{i}" for i in aborting])
+            aborted.update(aborting)
     return lengths, finished
 
 
@@ -104,13 +105,13 @@ def test_aborts_mid_tree_leave_the_other_requests_exact(engines, tokenizer):
     llm = engines.get("gsd")
     prompts = _prompts(tokenizer)
     params = _greedy(48)
-    lengths, finished = _step_by_step(llm, prompts, params, abort_after={0: 2, 3: 4, 5: 6})
+    lengths, finished = _step_by_step(llm, prompts, params, abort_at={0: 2, 3: 6, 5: 12})
     want = _outputs(engines.get("target"), prompts, params)
     assert sorted(finished) == [1, 2, 4]
     for i in (1, 2, 4):
         assert finished[i].token_ids == want[i].token_ids
     for i in (0, 3, 5):  # aborted mid-way, after at least one tree was verified
-        assert 1 < lengths[i][-1] < 48
+        assert lengths[i][-1] < 48
     assert not llm.llm_engine.has_unfinished_requests()
     assert [o.token_ids for o in _outputs(llm, prompts, params)] == [w.token_ids for w in want]
 
@@ -169,3 +170,21 @@ def test_seeded_prompts_split_by_chunked_prefill(engines, tokenizer):
     alone = [_outputs(llm, [p], q)[0].token_ids for p, q in zip(long[-2:], params[-2:])]
     assert all(len(t) == 12 for t in together)
     assert together[-2:] == alone
+
+
+def test_sampled_tokens_report_the_targets_raw_logprobs(engines, tokenizer):
+    """Logprobs of sampled tokens (temperature 0.5, top_k 20) are the target's raw logprobs of
+    the tokens emitted, as vLLM reports them without speculation; the tree path once reported
+    them after temperature and top-k (it processed the float32 logits in place)."""
+    from vllm import SamplingParams
+
+    prompt = _prompts(tokenizer)[2]
+    params = SamplingParams(temperature=0.5, top_k=20, seed=3, max_tokens=16, ignore_eos=True, logprobs=2)
+    got = _outputs(engines.get("gsd"), [prompt], params)[0]
+    scored = engines.get("target").generate(
+        [{"prompt_token_ids": prompt["prompt_token_ids"] + list(got.token_ids)}],
+        SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
+    raw = [entry[token].logprob for entry, token in
+           zip(scored[len(prompt["prompt_token_ids"]):], got.token_ids)]
+    assert [entry[token].logprob for entry, token in zip(got.logprobs, got.token_ids)] == \
+           pytest.approx(raw, abs=1e-4)

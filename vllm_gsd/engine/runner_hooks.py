@@ -7,6 +7,8 @@ Per step of a gsd engine:
   proposed tree (e.g. after a preemption) are verified as a chain, which is also a tree.
 * `execute_model`: the graph mask lives for the target forward only.
 * the rejection sampler is GsdRejectionSampler (engine/scorer.py), which also compacts the KV;
+  the sampler is GsdSampler, told each step (in `_prepare_inputs`) which roots are drawn from
+  u(seed, position), and a partial prefill's discarded row leaves its request's generator alone;
 * `propose_draft_token_ids`: GsdProposer.propose_tree on the sampled tokens (after bookkeeping);
 * `initialize_metadata_builders`: the draft layers get their attention groups, as for draft_model;
 * `initialize_kv_cache`: then the drafter's adaptive node budget gets its cost curves.
@@ -22,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_gsd.engine.config import is_gsd
+from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdMetrics
 from vllm_gsd.engine.tree_attention import TreeMask, set_graph_mask
 from vllm_gsd.graph import ancestor_words_from_parents
@@ -51,7 +54,7 @@ def wrap_runner_init(original):
         if not is_gsd(spec):
             return original(self, vllm_config, device, *args, **kwargs)
         from vllm_gsd.engine.proposer import GsdProposer
-        from vllm_gsd.engine.scorer import GsdRejectionSampler
+        from vllm_gsd.engine.scorer import GsdRejectionSampler, GsdSampler
 
         # vLLM's runner knows no "gsd"; its draft_model set-up (drafter slot, sampler, buffers
         # sized by num_speculative_tokens) is the one GSD needs, so it runs under that name.
@@ -64,6 +67,8 @@ def wrap_runner_init(original):
         if hasattr(self, "drafter"):
             self.drafter = GsdProposer(vllm_config, self.device, self)
             self.drafter.metrics = self._gsd_metrics
+            self.sampler = GsdSampler(logprobs_mode=self.sampler.logprobs_mode,
+                                      use_fp64_gumbel=self.sampler.use_fp64_gumbel)
             self.rejection_sampler = GsdRejectionSampler(self.sampler, spec, self.device)
             self.rejection_sampler.compact_kv = functools.partial(_compact_target_kv, self)
             self.rejection_sampler.metrics = self._gsd_metrics
@@ -169,8 +174,33 @@ def _park_generators_of_discarded_rows(runner) -> None:
             batch.generators[i] = generator
 
 
+def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
+    """The rows GsdSampler draws from u(seed, position): seeded random requests that the tree
+    path serves, sampling this step (not a partial prefill), whether they have a tree or not.
+
+    Row 0 samples the token at position num_computed + num_scheduled - num_nodes (the root's
+    position + 1), the position a tree's own row 0 is keyed by (engine/scorer.py)."""
+    from vllm_gsd.engine.scorer import _SAMPLING_EPS, KeyedRoots
+
+    batch = runner.input_batch
+    discarded = runner.discard_request_mask.np[:batch.num_reqs]
+    keyed = KeyedRoots(rows=[], seeds=[], positions=[])
+    for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
+        state = runner.requests[req_id]
+        params = state.sampling_params
+        if (discarded[i] or params is None or params.seed is None or params.temperature < _SAMPLING_EPS
+                or tree_refusal_reason(params, len(state.output_token_ids)) is not None):
+            continue
+        num_nodes = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        keyed.rows.append(i)
+        keyed.seeds.append(params.seed)
+        keyed.positions.append(int(batch.num_computed_tokens_cpu[i]) + int(num_scheduled_tokens[i]) - num_nodes)
+    return keyed
+
+
 def _prepare_tree_verification(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
     _park_generators_of_discarded_rows(runner)
+    runner.sampler.keyed = _keyed_roots(runner, scheduler_output, num_scheduled_tokens)
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     proposed = runner.drafter.trees

@@ -8,11 +8,16 @@ padded. The scheduler's rollback and every speculative-decoding metric work unch
 
 The target's token at every row:
 * row 0 (the root): vLLM's own Sampler, on the root rows of the whole batch, so requests without
-  a tree (and their penalties, processors, seeds) are sampled exactly as without speculation;
+  a tree (and their penalties, processors) are sampled exactly as without speculation; in a gsd
+  engine that Sampler is `GsdSampler`, which draws the root of a seeded request that the tree
+  path serves (engine/eligibility.py) keyed by position, tree or not (see below);
 * rows >= 1 of a greedy request: the same greedy argmax vLLM uses;
 * every row of a random request with a tree: a draw from the row's distribution after
   temperature, top-k and top-p (vLLM's `apply_top_k_top_p`); a seeded request's uniforms are keyed
   by the position of the token drawn, so its text is the same in any batch.
+A seeded request thus draws every token, tree row or root, from u(seed, position): its text is
+the same whether a step had a tree, a tree cut short by the token budget, or none (preemption,
+the context limit, a batch of prefills), i.e. the same in any batch.
 The walk (vllm_gsd.graph.walk_tree) follows the child equal to the row's token, or emits it and
 stops. Every emitted token is thus the target's own choice (greedy) or a real draw from the
 target's distribution (sampling) given its accepted prefix: exact, for any tree.
@@ -24,7 +29,7 @@ tree_base + row to tree_base + k (vllm_gsd.kernels.kv_compaction), so the cache 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -37,6 +42,55 @@ from vllm_gsd.graph import AcceptedPaths, sample_rows, walk_tree
 from vllm_gsd.graph.counter_rng import counter_uniforms
 
 _SAMPLING_EPS = 1e-5
+
+
+def draw_processed(row_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                   top_p: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: an inverse-CDF draw per row from its distribution after temperature, then
+    top-k / top-p (vLLM's processing of draft rows).
+
+    row_logits: float32 [R, V], processed in place; temperature float [R] (rows under epsilon are
+    divided by 1: the caller takes their greedy token); top_k, top_p [R] or None; uniforms [R].
+    """
+    is_greedy = temperature < _SAMPLING_EPS
+    processed = row_logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(-1))
+    processed = apply_top_k_top_p(processed, top_k, top_p)
+    return sample_rows(torch.softmax(processed, dim=-1), uniforms)
+
+
+@dataclass
+class KeyedRoots:
+    """This step's root rows drawn from u(seed, position) (set by engine/runner_hooks.py)."""
+
+    rows: list[int]  # batch index of each seeded, random request the tree path serves
+    seeds: list[int]
+    positions: list[int]  # absolute position of the token each row samples
+
+
+class GsdSampler(Sampler):
+    """vLLM's Sampler, except that the rows in `keyed` are drawn by `draw_processed` from
+    u(seed, position), as tree rows are: a seeded request then samples the same token at a
+    position whether a tree verified it or not. Logprobs follow the token drawn (vLLM gathers
+    them after `sample`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keyed: KeyedRoots | None = None
+
+    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+        keyed = self.keyed
+        if keyed is None or not keyed.rows or max(keyed.rows) >= logits.shape[0]:
+            return super().sample(logits, sampling_metadata, logprobs_mode_override)
+        rows = torch.tensor(keyed.rows, dtype=torch.int64, device=logits.device)
+        keyed_logits = logits[rows].to(torch.float32)  # a copy: vLLM processes logits in place
+        sampled, processed_logprobs = super().sample(logits, sampling_metadata, logprobs_mode_override)
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        uniforms = torch.from_numpy(counter_uniforms(np.asarray(keyed.seeds), np.asarray(keyed.positions)))
+        sampled[rows] = draw_processed(
+            keyed_logits, sampling_metadata.temperature[rows],
+            None if top_k is None else top_k[rows], None if top_p is None else top_p[rows],
+            uniforms.to(logits.device)).to(sampled.dtype)
+        return sampled, processed_logprobs
 
 
 class GsdRejectionSampler(RejectionSampler):
@@ -111,8 +165,7 @@ class GsdRejectionSampler(RejectionSampler):
         local_row = torch.arange(total_rows, device=device) - row_start.to(device)[request_of_row]
         has_tree = (torch.tensor(num_draft) > 0).to(device)[request_of_row]
 
-        row_logits = logits.to(torch.float32)
-        token = Sampler.greedy_sample(row_logits.clone()).long()  # what vLLM's greedy sampler picks
+        token = Sampler.greedy_sample(logits.to(torch.float32)).long()  # vLLM's greedy pick
         fill = has_tree & (local_row > 0)
         if not sampling_metadata.all_greedy:
             # vLLM's processing of draft rows (temperature, then top-k/top-p), with the per-row
@@ -120,12 +173,11 @@ class GsdRejectionSampler(RejectionSampler):
             # Triton one stops at 128 rows per request.
             temperature = sampling_metadata.temperature.to(device)[request_of_row]
             is_greedy = temperature < _SAMPLING_EPS
-            processed = row_logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(-1))
             top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[request_of_row]
             top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[request_of_row]
-            processed = apply_top_k_top_p(processed, top_k, top_p)
-            uniforms = self._row_uniforms(num_draft, device)
-            drawn = sample_rows(torch.softmax(processed, dim=-1), uniforms)
+            # A copy: `logits` stays raw for the logprobs of the accepted path.
+            drawn = draw_processed(logits.to(torch.float32, copy=True), temperature, top_k, top_p,
+                                   self._row_uniforms(num_draft, device))
             token = torch.where(is_greedy, token, drawn)
             fill = fill | (has_tree & ~is_greedy)
         row_target[request_of_row[fill], local_row[fill]] = token[fill]
