@@ -117,9 +117,10 @@ def _walk_tree_numpy(draft_token_ids, parent_row, num_nodes, row_target_token):
             break
         path[:, step] = current
     stopped = path == stop
-    targets = np.concatenate([row_target_token, np.full((batch, 1), -1, dtype=np.int64)], axis=1)
-    tokens = targets.reshape(-1)[path + base[:, None]]
-    return np.where(stopped, -1, path), tokens, (budget + 1) - stopped.sum(1) - 1
+    path[stopped] = -1
+    tokens = row_target_token.reshape(-1)[np.maximum(path, 0) + target_base]
+    tokens[stopped] = -1
+    return path, tokens, (budget + 1) - stopped.sum(1) - 1
 
 
 def greedy_accept(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes: torch.Tensor,

@@ -121,6 +121,13 @@ class _Proposals:
         return candidate // self.width
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array (no copy for a CPU tensor numpy can hold)."""
+    if tensor.device.type == "cpu" and not tensor.requires_grad and tensor.dtype != torch.bfloat16:
+        return tensor.numpy()
+    return tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
+
+
 @lru_cache(maxsize=64)
 def _reach_bits(budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bit m-1 of a reach set <-> drafted row m: (word [N], shift [N] uint64, own [words, N+1]
@@ -158,7 +165,7 @@ class GraphBuilder:
         only its last merge_ngram columns are used (the r-gram of shallow nodes).
         """
         self.params = params
-        roots = root_token_ids.detach().to("cpu", torch.int64).numpy()
+        roots = _numpy(root_token_ids).astype(np.int64, copy=False)
         batch = roots.shape[0]
         budget = params.node_budget
         num_rows = budget + 1
@@ -283,23 +290,27 @@ class GraphBuilder:
         request = proposals.request  # only children of two frontier rows of one request can collide
         if self.params.merging and fresh.size > 1 and (request[1:] == request[:-1]).any():
             leader_of = self._same_level_leaders(proposals, fresh, fresh_pp)
-        leader = np.arange(fresh.size) if leader_of is None else (leader_of == np.arange(fresh.size)).nonzero()[0]
+        kept = None  # index into `fresh` of the new nodes (None: all of them)
+        new_request, new_pp = fresh_request, fresh_pp
+        if leader_of is not None:
+            kept = (leader_of == np.arange(fresh.size)).nonzero()[0]
+            new_request, new_pp = fresh_request[kept], fresh_pp[kept]
         # 4. budget: leaders compete per request by path prob (ties: creation order).
-        new_request = fresh_request[leader]
         remaining = self._budget - self._num_nodes
         count = np.bincount(new_request, minlength=self._batch)
         if (count > remaining).any():
-            kept = best_in_group(new_request, fresh_pp[leader], remaining, count)
-            leader, new_request, count = leader[kept], new_request[kept], np.minimum(count, remaining)
-        new, new_pos = fresh[leader], fresh_pos[leader]  # ascending = creation order, by request
-        # Rows continue each request's numbering, in creation order.
+            best = best_in_group(new_request, new_pp, remaining, count)
+            kept = best.nonzero()[0] if kept is None else kept[best]
+            new_request, count = new_request[best], np.minimum(count, remaining)
+        new, new_pos = (fresh, fresh_pos) if kept is None else (fresh[kept], fresh_pos[kept])
+        # Rows continue each request's numbering, in creation order (new is ascending).
         new_row = (self._num_nodes + 1 - (count.cumsum() - count))[new_request] + np.arange(new.size)
 
         # Pseudo edges into this level's kept leaders.
         follower, follower_dst = _EMPTY, _EMPTY
         if leader_of is not None:
             row_of_fresh = np.zeros(fresh.size, dtype=np.int64)
-            row_of_fresh[leader] = new_row
+            row_of_fresh[kept] = new_row
             others = (leader_of != np.arange(fresh.size)).nonzero()[0]
             follower_dst = row_of_fresh[leader_of[others]]
             follower, follower_dst = fresh[others[follower_dst > 0]], follower_dst[follower_dst > 0]
@@ -347,8 +358,8 @@ class GraphBuilder:
         num_frontier = request.size
         if num_frontier == 0:
             raise RuntimeError("expand() called with an empty frontier")
-        tokens = topk_token_ids.detach().cpu().numpy()[:, : params.top_k]
-        probs = topk_probs.detach().cpu().numpy()[:, : params.top_k]
+        tokens = _numpy(topk_token_ids)[:, : params.top_k]
+        probs = _numpy(topk_probs)[:, : params.top_k]
         if tokens.shape[0] != num_frontier or probs.shape != tokens.shape:
             raise ValueError(f"expected [{num_frontier}, k] top-k tensors, got {tuple(tokens.shape)} "
                              f"and {tuple(probs.shape)}")
@@ -360,7 +371,7 @@ class GraphBuilder:
         valid = probs > 0
         if params.min_child_ratio > 0:
             valid &= probs >= params.min_child_ratio * probs[:, :1]
-        if tokens.min(initial=0) < 0:
+        if tokens.min() < 0:
             valid &= tokens >= 0
         if width > 1:  # the draft's top-k has distinct ids; bad input may repeat one
             repeated = tokens[:, 1] == tokens[:, 0]
@@ -372,24 +383,26 @@ class GraphBuilder:
                     for earlier in range(later):
                         valid[:, later] &= tokens[:, later] != tokens[:, earlier]
         parent_node = request * self._num_rows + parent
-        path_prob = self._path_prob.reshape(-1)[parent_node][:, None] * probs
+        # Per-row values spread to the row's k candidates (np.repeat beats [F, 1] broadcasting).
+        path_prob = np.repeat(self._path_prob.reshape(-1)[parent_node], width) * probs.reshape(-1)
         expandable = None
         if self._levels_expanded >= params.max_depth:
             expandable = np.zeros(probs.size, dtype=bool)
         elif params.leaf_prob > 0:
             expandable = (probs >= params.leaf_prob).reshape(-1)
         proposals = _Proposals(request, parent, parent_node, width, tokens.reshape(-1), probs.reshape(-1),
-                               path_prob.reshape(-1), valid.reshape(-1), expandable)
+                               path_prob, valid.reshape(-1), expandable)
         if params.merging:
             if params.merge_ngram == 0:
-                key = tokens + 1
+                key = proposals.token + 1
             elif params.merge_ngram == 1:
-                key = ((self._token.reshape(-1)[parent_node] + 1) << 32)[:, None] | (tokens + 1)
+                key = np.repeat((self._token.reshape(-1)[parent_node] + 1) << 32, width) | (proposals.token + 1)
             else:
-                key = _ngram_key(self._context[parent_node, None, :], tokens)
-            proposals.key = key.reshape(-1)
-            hashed = (proposals.key.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._slot_bits)
-            proposals.slot = ((request << self._slot_bits)[:, None] + hashed.astype(np.int64).reshape(-1, width)).reshape(-1)
+                key = _ngram_key(self._context[parent_node, None, :], tokens).reshape(-1)
+            proposals.key = key
+            slot = ((key.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._slot_bits)).view(np.int64)
+            slot += np.repeat(request << self._slot_bits, width)
+            proposals.slot = slot
         return proposals
 
     def _match_existing(self, proposals: _Proposals) -> tuple[np.ndarray, np.ndarray]:
@@ -538,11 +551,12 @@ class GraphBuilder:
         while True:
             below_dst = (reach[dst_word + request_nodes] >> dst_shift) & np.uint64(1)  # [E, N+1]
             for word, src_word in zip(self._reach, src_reach):
-                word[touched] |= np.bitwise_or.reduceat(below_dst * src_word[:, None], request_start, axis=0).reshape(-1)
+                gained = np.bitwise_or.reduceat(below_dst * src_word[:, None], request_start, axis=0).reshape(-1)
+                word[touched] = word[touched] | gained
             # Converged once no source's set grew: a further pass could only add, to a node
             # below some dst, sets it already received through the source below that dst.
             new_src_reach = self._reach[:, src_node]
-            if np.array_equal(new_src_reach, src_reach):
+            if (new_src_reach == src_reach).all():
                 return
             src_reach = new_src_reach
 

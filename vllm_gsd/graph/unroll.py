@@ -135,9 +135,12 @@ def _primary_bound(graph: HypothesisGraph, budget: np.ndarray) -> np.ndarray:
     own nodes are tree nodes (their primary paths), so if it has at least budget[b] of them, the
     budget[b]-th best of them is such a bound; else -inf (and +inf when the budget is 0)."""
     batch = graph.path_prob.shape[0]
-    drafted = np.where(graph.parent_row >= 0, graph.path_prob, -np.inf)
-    descending = -np.sort(-drafted, axis=1)
-    bound = descending[np.arange(batch), np.maximum(budget - 1, 0)]
+    if (budget >= graph.num_nodes).all():  # the bound is the least likely node of a graph this big
+        least = np.where(graph.parent_row >= 0, graph.path_prob, np.inf).min(axis=1)
+        bound = np.where(budget == graph.num_nodes, least, -np.inf)
+    else:
+        drafted = np.where(graph.parent_row >= 0, graph.path_prob, -np.inf)
+        bound = -np.sort(-drafted, axis=1)[np.arange(batch), np.maximum(budget - 1, 0)]
     return np.where(budget == 0, np.inf, bound)
 
 
