@@ -5,18 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from vllm_gsd.graph import GraphBuilder, GraphParams
-from vllm_gsd.graph.budget import (
-    AcceptanceModel,
-    CostCurve,
-    NodeBudgetPolicy,
-    best_node_order,
-    best_rate,
-    keep_best_nodes,
-)
+from vllm_gsd.graph.budget import AcceptanceModel, CostCurve, NodeBudgetPolicy, best_rate
 
 FLAT = CostCurve((1,), (0.1,))
 # A CPU-like target: flat up to 8 tokens, then linear.
@@ -146,7 +137,7 @@ def test_continue_drafting_weighs_the_next_level_against_its_forward():
     assert not cheap_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=4)
 
 
-def _random_tree(seed: int, batch: int, budget: int, top_k: int = 3, depth: int = 4, vocab: int = 12):
+def _random_graph(seed: int, batch: int, budget: int, top_k: int = 3, depth: int = 4, vocab: int = 12):
     generator = torch.Generator().manual_seed(seed)
     params = GraphParams(node_budget=budget, top_k=top_k, max_depth=depth, merge_ngram=1)
     builder = GraphBuilder(params, torch.randint(0, vocab, (batch,), generator=generator),
@@ -155,42 +146,15 @@ def _random_tree(seed: int, batch: int, budget: int, top_k: int = 3, depth: int 
         probs = torch.softmax(torch.randn(frontier.request_index.numel(), vocab, generator=generator) * 2, -1)
         top_probs, top_ids = probs.topk(top_k, dim=-1)
         builder.expand(top_ids, top_probs)
-    return builder.build_tree()
+    return builder
 
 
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), batch=st.integers(1, 5), budget=st.integers(1, 20), data=st.data())
-def test_keep_best_nodes_is_the_likeliest_subtree_in_breadth_first_order(seed, batch, budget, data):
-    tree = _random_tree(seed, batch, budget)
-    num_nodes = tree.num_nodes.numpy()
-    keep = np.array([data.draw(st.integers(0, budget)) for _ in range(batch)])
-    cut = keep_best_nodes(tree, keep)
-    rank = best_node_order(tree.path_prob.numpy(), num_nodes)
-    for b in range(batch):
-        n = int(cut.num_nodes[b])
-        assert n == min(keep[b], num_nodes[b])
-        kept_rows = np.flatnonzero(rank[b] < n)  # old rows, in breadth-first order
-        assert cut.draft_token_ids[b, :n].tolist() == tree.draft_token_ids[b, kept_rows].tolist()
-        assert cut.path_prob[b, :n].tolist() == tree.path_prob[b, kept_rows].tolist()
-        assert (cut.draft_token_ids[b, n:] == -1).all() and (cut.parent_row[b, n:] == -1).all()
-        # Parents are renumbered onto the kept rows (closed under ancestors), and precede children.
-        for new, old in enumerate(kept_rows):
-            old_parent = int(tree.parent_row[b, old])
-            new_parent = int(cut.parent_row[b, new])
-            assert new_parent <= new
-            assert old_parent == (0 if new_parent == 0 else kept_rows[new_parent - 1] + 1)
-        assert (np.diff(cut.depth[b, :n].numpy()) >= 0).all()
-    # The ancestor words are those of the renumbered parents.
-    from vllm_gsd.graph import ancestor_words_from_parents
-
-    assert torch.equal(cut.ancestor_words, ancestor_words_from_parents(cut.parent_row, cut.num_nodes))
-
-
-def test_select_then_keep_best_nodes_verifies_what_was_chosen():
-    tree = _random_tree(3, batch=4, budget=16)
+def test_the_selection_cut_by_build_tree_verifies_what_was_chosen():
+    builder = _random_graph(3, batch=4, budget=16)
+    tree = builder.build_tree()
     policy = _policy(CostCurve((1, 2), (0.1, 0.13)), node_budget=16)
     selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(), 0, 0.0)
-    cut = keep_best_nodes(tree, selection.node_budget)
+    cut = builder.build_tree(node_budget=selection.node_budget)
     assert cut.num_nodes.tolist() == selection.node_budget.tolist()
     assert 0 < int(cut.num_nodes.sum()) < int(tree.num_nodes.sum())
     gains = policy.acceptance.node_gain(cut.path_prob.numpy(), cut.depth.numpy())

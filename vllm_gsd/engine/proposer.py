@@ -47,7 +47,7 @@ from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
 from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree
-from vllm_gsd.graph.budget import NodeBudgetPolicy, keep_best_nodes
+from vllm_gsd.graph.budget import NodeBudgetPolicy
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -327,7 +327,7 @@ class GsdProposer(DraftModelProposer):
         if policy is not None:
             selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
                                       num_plain, draft_seconds)
-            tree = keep_best_nodes(tree, selection.node_budget)
+            tree = builder.build_tree(node_budget=selection.node_budget)
         return tree
 
     def _next_level_pays(self, builder: GraphBuilder, frontier, num_trees: int, num_plain: int,

@@ -25,13 +25,9 @@ curves are measured once and shared by the engine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
-import torch
-
-from .ancestors import ancestor_words_from_parents
-from .unroll import VerificationTree
 
 
 @dataclass(frozen=True)
@@ -243,7 +239,8 @@ class NodeBudgetPolicy:
 
         path_prob float [B, N], depth int [B, N] of each request's candidate tree rows (rows past
         num_nodes[b] are ignored). Request b verifies its node_budget[b] nodes of highest path
-        probability (a set closed under ancestors); nodes join in one order across the batch,
+        probability (a set closed under ancestors: GraphBuilder.build_tree(node_budget) cuts the
+        tree to it); nodes join in one order across the batch,
         by path probability, until the step's expected rate stops improving.
         """
         batch, width = path_prob.shape
@@ -279,54 +276,3 @@ class NodeBudgetPolicy:
         a = self._smoothing
         self._best_nodes_mass = mass if self._best_nodes_mass is None else (1 - a) * self._best_nodes_mass + a * mass
 
-
-def best_node_order(path_prob: np.ndarray, num_nodes: np.ndarray) -> np.ndarray:
-    """int64 [B, N]: rank of every tree row within its request by path probability, descending
-    (ties: the earlier breadth-first row first); padding rows rank past every real one.
-
-    The first n rows by this rank are closed under ancestors: a child's path probability never
-    exceeds its parent's, and on a tie the parent is the earlier row.
-    """
-    batch, width = path_prob.shape
-    real = np.arange(width)[None, :] < num_nodes[:, None]
-    order = np.argsort(np.where(real, -path_prob, np.inf), axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(width)[None, :].repeat(batch, 0), axis=1)
-    return rank
-
-
-def keep_best_nodes(tree: VerificationTree, node_budget: np.ndarray) -> VerificationTree:
-    """The tree of each request cut to its node_budget[b] most likely nodes (best_node_order),
-    still flattened breadth-first: the kept rows keep their relative order, parents are renumbered."""
-    path_prob = tree.path_prob.numpy()
-    num_nodes = tree.num_nodes.numpy()
-    batch, width = path_prob.shape
-    keep = best_node_order(path_prob, num_nodes) < np.minimum(node_budget, num_nodes)[:, None]
-    request, old_index = np.nonzero(keep)  # row-major: breadth-first order within each request
-    new_index = np.arange(request.size) - np.searchsorted(request, request, side="left")
-    # Tree row of every old row in the new tree (row 0 = root stays 0).
-    new_row = np.zeros((batch, width + 1), np.int64)
-    new_row[request, old_index + 1] = new_index + 1
-    at_new = (torch.from_numpy(request), torch.from_numpy(new_index))
-    at_old = (torch.from_numpy(request), torch.from_numpy(old_index))
-
-    def cut(values: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full_like(values, fill)
-        out[at_new] = values[at_old]
-        return out
-
-    parent_row = torch.full_like(tree.parent_row, -1)
-    parent_row[at_new] = torch.from_numpy(new_row[request, tree.parent_row.numpy()[request, old_index]])
-    num_kept = torch.from_numpy(keep.sum(1).astype(np.int64))
-    return replace(
-        tree,
-        draft_token_ids=cut(tree.draft_token_ids, -1),
-        parent_row=parent_row,
-        depth=cut(tree.depth, 0),
-        num_nodes=num_kept,
-        ancestor_words=ancestor_words_from_parents(parent_row, num_kept),
-        path_prob=cut(tree.path_prob, 0.0),
-        via_merge=cut(tree.via_merge, False),
-        graph_row=cut(tree.graph_row, -1),
-        child_rank=cut(tree.child_rank, -1),
-    )
