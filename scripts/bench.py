@@ -145,7 +145,8 @@ def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max
                 decided = delta["steps_speculated"] + delta["steps_not_speculated"]
                 row.plain_step_share = round(delta["steps_not_speculated"] / max(decided, 1), 2)
                 row.step_ms = {phase: round(delta[f"{phase}_us"] / 1e3 / max(delta["steps"], 1), 1)
-                               for phase in ("target_forward", "draft_step", "verify", "kv_compaction")}
+                               for phase in ("target_forward", "draft_step", "draft_model", "draft_logits",
+                                             "verify", "kv_compaction")}
                 row.merges = stats.merges - stats_before.merges
                 row.draft_expansions_saved = stats.draft_expansions_saved - stats_before.draft_expansions_saved
             else:
@@ -175,8 +176,9 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         "catch-up plus every expanded graph row; counted by GSD only). "
         "Nodes / step: draft tokens the target verified per request per step (GSD: per tree). "
         "Plain steps: share of steps the adaptive budget decoded without drafting. Step split (GSD): "
-        "milliseconds per step of the target forward / draft (catch-up, levels, graph) / tree "
-        "verification / KV compaction, host wall time. `= no-spec`: greedy "
+        "milliseconds per step of the target forward / draft step (catch-up, levels, graph) / of "
+        "which the draft model's layers / of which its LM head / tree verification / KV compaction, "
+        "host wall time. `= no-spec`: greedy "
         "output identical to no speculation" + (" (bf16: vLLM's own output depends on the batch "
         "shape at near-ties; exactness is tested in float32)" if pair.dtype != "float32" else "") + ".",
         "",

@@ -13,7 +13,8 @@ worker knows is counted here, per worker process:
   `gsd_levels_drafted` (draft forwards, catch-up included), `gsd_nodes_offered` (tree nodes
   drafted) and `gsd_nodes_proposed` (the nodes it chose to verify);
 * where a step's time goes (host wall time, microseconds, summed): `gsd_target_forward_us`
-  (the target's forward), `gsd_draft_step_us` (catch-up, levels and tree building),
+  (the target's forward), `gsd_draft_step_us` (catch-up, levels and tree building; of which
+  `gsd_draft_model_us` in the draft model's layers and `gsd_draft_logits_us` in its LM head),
   `gsd_verify_us` (the tree walk with its sampling) and `gsd_kv_compaction_us`.
 
 They are exported as Prometheus counters `vllm:gsd_*` (the OpenAI server collects worker
@@ -52,6 +53,8 @@ class GsdStats:
     nodes_proposed: int = 0
     target_forward_us: int = 0
     draft_step_us: int = 0
+    draft_model_us: int = 0
+    draft_logits_us: int = 0
     verify_us: int = 0
     kv_compaction_us: int = 0
 

@@ -273,7 +273,7 @@ class GsdProposer(DraftModelProposer):
                 fwd.seq_lens.append(hi)
             ends_root = [j for j, (k, _, hi) in enumerate(pieces) if hi == candidates[k].root_pos + 1]
             last_token = np.cumsum([hi - lo for _, lo, hi in pieces]) - 1
-            logits = self._forward(runner, fwd, None, last_token[ends_root])
+            logits = self._forward(runner, fwd, None, last_token[ends_root], stats)
             for row, j in enumerate(ends_root):
                 root_logits[pieces[j][0]] = logits[row]
             num_tokens = int(last_token[-1] + 1)
@@ -308,7 +308,7 @@ class GsdProposer(DraftModelProposer):
                 if policy is not None and not self._next_level_pays(builder, frontier, len(candidates),
                                                                     num_plain, draft_seconds, level):
                     break
-                frontier_logits = self._expand_level(runner, builder, frontier, batch_rows, root_pos)
+                frontier_logits = self._expand_level(runner, builder, frontier, batch_rows, root_pos, stats)
                 num_rows = int(frontier.request_index.numel())
                 stats.draft_tokens_computed += num_rows
                 stats.levels_drafted += 1
@@ -342,7 +342,7 @@ class GsdProposer(DraftModelProposer):
                                              draft_seconds, level)
 
     def _expand_level(self, runner, builder: GraphBuilder, frontier, batch_rows: np.ndarray,
-                      root_pos: np.ndarray) -> torch.Tensor:
+                      root_pos: np.ndarray, stats: GsdStats) -> torch.Tensor:
         """Draft forwards over the frontier rows of every request (one, unless the rows exceed
         max_num_batched_tokens); logits per frontier row, in the frontier's order."""
         request = frontier.request_index.numpy()
@@ -368,7 +368,7 @@ class GsdProposer(DraftModelProposer):
                 ancestor_words=ancestor_words[torch.from_numpy(requests[group])],
                 query_tree_row=torch.from_numpy(node_row[rows].astype(np.int32)),
             )
-            logits.append(self._forward(runner, level, mask, np.arange(rows.stop - rows.start)))
+            logits.append(self._forward(runner, level, mask, np.arange(rows.stop - rows.start), stats))
         # Back to the builder's frontier order.
         sorted_logits = torch.cat(logits)
         unsorted = torch.empty_like(sorted_logits)
@@ -378,7 +378,7 @@ class GsdProposer(DraftModelProposer):
     # ------------------------------------------------------------------------------ forward
 
     def _forward(self, runner, fwd: _Forward, mask: TreeMask | None,
-                 sample_index: np.ndarray) -> torch.Tensor:
+                 sample_index: np.ndarray, stats: GsdStats) -> torch.Tensor:
         """Run the draft over `fwd`; return logits [len(sample_index), V] of the given tokens."""
         device = self.device
         lengths = np.asarray([len(t) for t in fwd.token_ids], dtype=np.int64)
@@ -413,13 +413,18 @@ class GsdProposer(DraftModelProposer):
             seq_lens_cpu_upper_bound=seq_lens,
         )
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(common)
+        started = time.perf_counter()
         with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=num_tokens,
                                  slot_mapping=self._get_slot_mapping(num_tokens, slot_mapping)), \
                 graph_mask(mask):
             hidden_states = self.model(input_ids=token_ids, positions=positions)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
-        return self.model.compute_logits(hidden_states[torch.from_numpy(sample_index).to(device)])
+        body_done = time.perf_counter()
+        logits = self.model.compute_logits(hidden_states[torch.from_numpy(sample_index).to(device)])
+        stats.draft_model_us += int((body_done - started) * 1e6)
+        stats.draft_logits_us += int((time.perf_counter() - body_done) * 1e6)
+        return logits
 
 
 def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:
