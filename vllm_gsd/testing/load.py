@@ -8,8 +8,9 @@ The load test (tests/engine/test_serve.py) and the soak (scripts/soak.py) share 
   streaming and not, greedy and seeded sampling, and streaming clients that disconnect early;
 * `run_load(url, model, requests, concurrency)`: sends them over aiohttp with at most
   `concurrency` in flight, polls /health throughout, and returns every request's result;
-* `greedy_references(llm, requests)` and `mismatches(results, references)`: what an offline
-  target-only engine (float32) answers to the same greedy requests, and where the server differs.
+* `references(llm, requests)` and `mismatches(requests, results, references)`: what an offline
+  engine answers to the same requests (greedy ones: the target alone, float32; seeded ones: GSD
+  in a quiet batch, since seeded text does not depend on the batch), and where the server differs.
 
 Prompts are sent as token ids so that server and offline engine see the same tokens.
 """
@@ -279,19 +280,22 @@ def run_load(url: str, model: str, requests: Sequence[LoadRequest], concurrency:
 # ------------------------------------------------------------------------------------ the checks
 
 
-def _greedy_key(request: LoadRequest) -> tuple:
-    return request.prompt_token_ids, request.max_tokens, request.ignore_eos
+def _key(request: LoadRequest) -> tuple:
+    return (request.prompt_token_ids, request.max_tokens, request.ignore_eos, request.temperature,
+            request.top_p, request.seed)
 
 
-def greedy_references(llm, requests: Sequence[LoadRequest]) -> dict[tuple, tuple[list[int], str, str]]:
-    """(token ids, text, finish reason) of an offline engine for every distinct greedy request."""
+def references(llm, requests: Sequence[LoadRequest]) -> dict[tuple, tuple[list[int], str, str]]:
+    """(token ids, text, finish reason) an offline engine gives each distinct request, alone
+    with its kind (greedy requests: the target alone; seeded ones: GSD in a quiet batch)."""
     from vllm import SamplingParams
 
-    keys = sorted({_greedy_key(r) for r in requests if r.greedy})
+    keys = sorted({_key(r) for r in requests}, key=repr)
     outputs = llm.generate(
-        [{"prompt_token_ids": list(prompt)} for prompt, _, _ in keys],
-        [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-         for _, max_tokens, ignore_eos in keys],
+        [{"prompt_token_ids": list(key[0])} for key in keys],
+        [SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=temperature,
+                        top_p=top_p, seed=seed)
+         for _, max_tokens, ignore_eos, temperature, top_p, seed in keys],
         use_tqdm=False)
     return {key: (list(o.outputs[0].token_ids), o.outputs[0].text, o.outputs[0].finish_reason)
             for key, o in zip(keys, outputs)}
@@ -313,14 +317,15 @@ def problems(requests: Sequence[LoadRequest], report: LoadReport) -> list[str]:
 
 def mismatches(requests: Sequence[LoadRequest], results: Sequence[LoadResult],
                references: dict[tuple, tuple[list[int], str, str]]) -> list[str]:
-    """Every completed greedy request whose tokens, text or finish reason differ from the reference."""
+    """Every completed request with a reference whose tokens, text or finish reason differ."""
     out = []
     for request, result in zip(requests, results):
-        if not request.greedy or not result.completed:
+        want = references.get(_key(request))
+        if want is None or not result.completed:
             continue
-        want_ids, want_text, want_finish = references[_greedy_key(request)]
-        if (result.token_ids, result.text, result.finish_reason) != (want_ids, want_text, want_finish):
+        if (result.token_ids, result.text, result.finish_reason) != want:
             out.append(f"request {request.index} (prompt {len(request.prompt_token_ids)} tokens, "
-                       f"max_tokens {request.max_tokens}, stream {request.stream}): got "
-                       f"{result.token_ids} {result.finish_reason}, want {want_ids} {want_finish}")
+                       f"max_tokens {request.max_tokens}, stream {request.stream}, "
+                       f"seed {request.seed}): got {result.token_ids} {result.finish_reason}, "
+                       f"want {want[0]} {want[2]}")
     return out
