@@ -188,3 +188,19 @@ def test_sampled_tokens_report_the_targets_raw_logprobs(engines, tokenizer):
            zip(scored[len(prompt["prompt_token_ids"]):], got.token_ids)]
     assert [entry[token].logprob for entry, token in zip(got.logprobs, got.token_ids)] == \
            pytest.approx(raw, abs=1e-4)
+
+
+def test_the_widest_accepted_config_serves_exactly(tiny_models, engines, tokenizer):
+    """The far corner of what the config accepts (node budget 128, top_k 16, depth 32, merge
+    r = 8, no pruning, fixed budget) starts and serves exactly: no accepted config fails later."""
+    from vllm_gsd.testing.engines import gsd_config, make_llm
+
+    spec = gsd_config(tiny_models["perturbed"], 128, top_k=16, max_depth=32, merge_ngram=8,
+                      min_child_ratio=0.0, leaf_prob=0.0, adaptive=False, cost_curve=None)
+    prompts = _prompts(tokenizer)[:2]
+    llm = make_llm(tiny_models["target"], spec)
+    try:
+        got = [o.token_ids for o in _outputs(llm, prompts, _greedy(24))]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == [o.token_ids for o in _outputs(engines.get("target"), prompts, _greedy(24))]

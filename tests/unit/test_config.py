@@ -8,30 +8,21 @@ import sys
 
 import pytest
 
-from transformers import LlamaConfig  # noqa: E402
-
 from vllm_gsd.plugin import register  # noqa: E402
+from vllm_gsd.testing.tiny_models import config_only_model  # noqa: E402
 
 register()
 
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 
-def _config_only_model(path, vocab_size: int) -> str:
-    LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
-    ).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cfg_models")
     return {
-        "target": _config_only_model(root / "target", 512),
-        "draft": _config_only_model(root / "draft", 512),
-        "other_vocab": _config_only_model(root / "other_vocab", 600),
+        "target": config_only_model(root / "target", 512),
+        "draft": config_only_model(root / "draft", 512),
+        "other_vocab": config_only_model(root / "other_vocab", 600),
     }
 
 

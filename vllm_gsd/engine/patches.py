@@ -74,6 +74,13 @@ def _wrap_speculative_post_init(original):
         self.method = "draft_model"
         try:
             original(self)
+        except ValueError as exc:
+            # vLLM names the path it could not load (missing, not a model), not the field.
+            if str(self.model) in str(exc) and "speculative_config.model" not in str(exc):
+                raise ValueError(
+                    f"speculative_config.model: the draft {self.model!r} cannot be loaded: {exc}"
+                ) from exc
+            raise
         finally:
             self.method = GSD_METHOD
         finalize_gsd_speculative_config(self)

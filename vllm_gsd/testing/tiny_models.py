@@ -482,3 +482,15 @@ def greedy_agreement(
         agree += sum(int(a == b) for a, b in zip(draft_choice, generated))
         total += len(generated)
     return agree / total
+
+
+def config_only_model(out_dir: Path, vocab_size: int) -> str:
+    """Write only the config.json of a small Llama (no weights, no tokenizer) into `out_dir`:
+    enough for vLLM to build an engine config (EngineArgs(..., skip_tokenizer_init=True))."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=2048,
+    ).save_pretrained(out_dir)
+    return str(out_dir)
