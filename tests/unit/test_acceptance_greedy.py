@@ -126,6 +126,11 @@ def test_walk_tree_never_enters_off_contract_nodes(walk):
     got = walk(tokens, parents, torch.tensor([3]), row_target)
     assert got.accepted_rows.tolist() == [[0, 1, -1, -1]]
     assert got.output_token_ids.tolist() == [[5, 5, -1, -1]]
+    # A node count below 0 is an empty tree, one above the budget is every row.
+    got = walk(tokens.expand(2, 3), torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.tensor([-3, 7]), row_target.expand(2, 4))
+    assert got.accepted_rows.tolist() == [[0, -1, -1, -1], [0, 1, 2, -1]]
+    assert got.output_token_ids.tolist() == [[5, -1, -1, -1], [5, 5, 5, -1]]
+    assert got.num_accepted.tolist() == [0, 2]
 
 
 def test_greedy_accept_on_built_trees_uses_argmax():

@@ -96,9 +96,9 @@ def _walk_tree_numpy(draft_token_ids, parent_row, num_nodes, row_target_token):
     """walk_tree's steps on numpy arrays (same layout); returns (rows, tokens, num_accepted)."""
     batch, budget = draft_token_ids.shape
     stop = budget + 1  # a column past the last row, where a walk rests once it has stopped
-    rows = np.arange(1, budget + 1, dtype=np.uint64)
+    rows = np.arange(1, budget + 1)
     # A parent must be an earlier row: as unsigned, a negative one is never below `rows`.
-    is_node = (rows <= np.maximum(num_nodes, 0).astype(np.uint64)[:, None]) & (parent_row.view(np.uint64) < rows)
+    is_node = (rows <= num_nodes[:, None]) & (parent_row.view(np.uint64) < rows.view(np.uint64))
     target_base = (np.arange(batch) * (budget + 1))[:, None]
     match = is_node & (row_target_token.reshape(-1)[np.where(is_node, parent_row, 0) + target_base] == draft_token_ids)
     # next_row[b * (N+2) + r]: the lowest matching child of row r (nonzero goes by row).
@@ -107,20 +107,21 @@ def _walk_tree_numpy(draft_token_ids, parent_row, num_nodes, row_target_token):
     next_row = np.full(batch * (budget + 2), stop, dtype=np.int64)
     np.minimum.at(next_row, matched_request * (budget + 2) + parent_row.reshape(-1)[matched], matched_node + 1)
 
-    base = np.arange(batch) * (budget + 2)
-    path = np.full((batch, budget + 1), stop, dtype=np.int64)
-    current = np.zeros(batch, dtype=np.int64)
+    base = np.arange(0, batch * (budget + 2), budget + 2)
+    path = np.full((batch, budget + 1), -1, dtype=np.int64)
     path[:, 0] = 0
+    current = np.zeros(batch, dtype=np.int64)
+    num_accepted = np.zeros(batch, dtype=np.int64)
     for step in range(1, budget + 1):
         current = next_row[base + current]
-        if (current == stop).all():
+        moved = current != stop
+        if not moved.any():
             break
-        path[:, step] = current
-    stopped = path == stop
-    path[stopped] = -1
+        num_accepted += moved
+        path[:, step] = np.where(moved, current, -1)
     tokens = row_target_token.reshape(-1)[np.maximum(path, 0) + target_base]
-    tokens[stopped] = -1
-    return path, tokens, (budget + 1) - stopped.sum(1) - 1
+    np.putmask(tokens, path < 0, -1)
+    return path, tokens, num_accepted
 
 
 def greedy_accept(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes: torch.Tensor,

@@ -102,6 +102,20 @@ class HypothesisGraph:
 
 
 @dataclass
+class _Front:
+    """The nodes to expand next, sorted by (request, row), with what their children need."""
+
+    request: np.ndarray  # int64 [F]
+    row: np.ndarray  # int64 [F], graph row within the request
+    node: np.ndarray  # int64 [F], flat node id request * (N+1) + row
+    token: np.ndarray  # int64 [F]
+    path_prob: np.ndarray  # float64 [F]
+
+    def select(self, keep: np.ndarray) -> _Front:
+        return _Front(self.request[keep], self.row[keep], self.node[keep], self.token[keep], self.path_prob[keep])
+
+
+@dataclass
 class _Proposals:
     """One level's proposed children. Candidate c = f * k + j is column j of frontier row f."""
 
@@ -123,9 +137,10 @@ class _Proposals:
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A tensor's values as a numpy array (no copy for a CPU tensor numpy can hold)."""
-    if tensor.device.type == "cpu" and not tensor.requires_grad and tensor.dtype != torch.bfloat16:
+    try:
         return tensor.numpy()
-    return tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
+    except (TypeError, RuntimeError):  # another device, bfloat16, or it requires grad
+        return tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
 
 
 @lru_cache(maxsize=64)
@@ -193,8 +208,9 @@ class GraphBuilder:
 
         self._pseudo: list[tuple[np.ndarray, ...]] = []
         self._levels_expanded = 0
-        self._frontier_request = np.arange(batch, dtype=np.int64)
-        self._frontier_row = np.zeros(batch, dtype=np.int64)
+        request = np.arange(batch, dtype=np.int64)
+        self._front = _Front(request, np.zeros(batch, dtype=np.int64), request * num_rows, self._token[:, 0].copy(),
+                             np.ones(batch))
 
     def _init_merge_state(self, roots: np.ndarray, history_token_ids: torch.Tensor) -> None:
         """The merge rule's per-node state, addressed by flat node id:
@@ -220,6 +236,7 @@ class GraphBuilder:
         self._key = np.zeros(batch * num_rows, dtype=np.int64)
         self._slot_bits = max(6, (16 * self._budget - 1).bit_length())
         self._seen = np.zeros(batch << self._slot_bits, dtype=bool)
+        self._slot_owner = np.empty(batch << self._slot_bits, dtype=np.int64)  # scratch of step 3
 
         self._bit_word, self._bit_shift, self._own_reach = _reach_bits(self._budget)
         self._reach = np.zeros((self._own_reach.shape[0], batch * num_rows), dtype=np.uint64)
@@ -228,15 +245,14 @@ class GraphBuilder:
 
     def frontier(self) -> Frontier | None:
         """The rows to draft next, or None when drafting is over."""
-        if self._frontier_request.size == 0 or self._levels_expanded >= self.params.max_depth:
+        front = self._front
+        if front.request.size == 0 or self._levels_expanded >= self.params.max_depth:
             return None
-        request, row = self._frontier_request, self._frontier_row
-        node = request * self._num_rows + row
-        return Frontier(
-            request_index=torch.from_numpy(request.copy()),
-            node_row=torch.from_numpy(row.copy()),
-            depth=torch.from_numpy(self._depth.reshape(-1)[node]),
-            token_ids=torch.from_numpy(self._token.reshape(-1)[node]),
+        return Frontier(  # copies: the engine may keep them while the builder goes on
+            request_index=torch.from_numpy(front.request.copy()),
+            node_row=torch.from_numpy(front.row.copy()),
+            depth=torch.from_numpy(np.full(front.request.size, self._levels_expanded, dtype=np.int64)),
+            token_ids=torch.from_numpy(front.token.copy()),
         )
 
     @property
@@ -315,9 +331,11 @@ class GraphBuilder:
             follower_dst = row_of_fresh[leader_of[others]]
             follower, follower_dst = fresh[others[follower_dst > 0]], follower_dst[follower_dst > 0]
 
-        new_node = new_request * self._num_rows + new_row
         new_parent_node = proposals.parent_node[new_pos]
-        self._add_nodes(proposals, new, new_pos, count, new_node, new_parent_node)
+        added = _Front(new_request, new_row, new_request * self._num_rows + new_row, proposals.token[new],
+                       proposals.path_prob[new])
+        self._add_nodes(proposals, new, new_pos, count, added, new_parent_node)
+        new_node = added.node
 
         # 5. next frontier: new nodes that are not leaves. A request whose graph is full stops
         # drafting: its children could only be merges.
@@ -325,10 +343,12 @@ class GraphBuilder:
         if proposals.expandable is not None:
             expandable &= proposals.expandable[new]
         if expandable.all():
-            self._frontier_request, self._frontier_row = new_request, new_row
+            self._front = added
+        elif not expandable.any():
+            self._front = added.select(_EMPTY)
         else:
-            self._frontier_request, self._frontier_row = new_request[expandable], new_row[expandable]
-        if self.params.merging and self._frontier_request.size:  # only later levels read it
+            self._front = added.select(expandable.nonzero()[0])
+        if self.params.merging and self._front.request.size:  # only later levels read it
             self._update_merge_state(proposals, existing, existing_dst, new, new_node, new_parent_node,
                                      new_row, follower, follower_dst)
         self._add_pseudo_edges(proposals, np.concatenate([existing, follower]),
@@ -354,7 +374,8 @@ class GraphBuilder:
         """Step 1: the frontier's children as candidates, pruned (sibling ratio, bad ids,
         duplicate ids within a row: the first one wins)."""
         params = self.params
-        request, parent = self._frontier_request, self._frontier_row
+        front = self._front
+        request, parent = front.request, front.row
         num_frontier = request.size
         if num_frontier == 0:
             raise RuntimeError("expand() called with an empty frontier")
@@ -382,9 +403,9 @@ class GraphBuilder:
                 for later in range(1, width):
                     for earlier in range(later):
                         valid[:, later] &= tokens[:, later] != tokens[:, earlier]
-        parent_node = request * self._num_rows + parent
+        parent_node = front.node
         # Per-row values spread to the row's k candidates (np.repeat beats [F, 1] broadcasting).
-        path_prob = np.repeat(self._path_prob.reshape(-1)[parent_node], width) * probs.reshape(-1)
+        path_prob = np.repeat(front.path_prob, width) * probs.reshape(-1)
         expandable = None
         if self._levels_expanded >= params.max_depth:
             expandable = np.zeros(probs.size, dtype=bool)
@@ -396,7 +417,7 @@ class GraphBuilder:
             if params.merge_ngram == 0:
                 key = proposals.token + 1
             elif params.merge_ngram == 1:
-                key = np.repeat((self._token.reshape(-1)[parent_node] + 1) << 32, width) | (proposals.token + 1)
+                key = np.repeat((front.token + 1) << 32, width) | (proposals.token + 1)
             else:
                 key = _ngram_key(self._context[parent_node, None, :], tokens).reshape(-1)
             proposals.key = key
@@ -473,40 +494,55 @@ class GraphBuilder:
         when no two share an n-gram: candidates of one request with the same n-gram collapse
         into the one with the highest path prob, then the first created.
 
-        Candidates with one n-gram share a hash-set slot, so one sort of the slots finds the few
-        that may collide; only those are grouped, exactly, by (request, n-gram).
+        Candidates with one n-gram share a hash-set slot. Each candidate writes its index into
+        its slot and reads the slot back: a slot written more than once returns one of its
+        writers (the owner), so the candidates that read another index, and the owners they
+        read, are the few that may collide. Those join their owner's group when their n-gram
+        equals the owner's (exactly); the rest, true hash collisions, repeat with a new owner.
         """
-        index_bits = (fresh.size - 1).bit_length()
-        packed = (proposals.slot[fresh] << index_bits) | np.arange(fresh.size)
-        packed.sort()
-        slot = packed >> index_bits
-        same_next = slot[1:] == slot[:-1]
-        if not same_next.any():
+        slot = proposals.slot[fresh]
+        index = np.arange(fresh.size)
+        owner_of_slot = self._slot_owner
+        owner_of_slot[slot] = index
+        owner = owner_of_slot[slot]
+        collided = (owner != index).nonzero()[0]
+        if collided.size == 0:
             return None
         shares = np.zeros(fresh.size, dtype=bool)
-        shares[1:] = same_next
-        shares[:-1] |= same_next
-        members = packed[shares] & ((1 << index_bits) - 1)  # by slot, then creation order
-        # The slot determines the request; the key is the n-gram (an exact packing) when r <= 1.
-        if self.params.merge_ngram >= 2:
-            pos = proposals.frontier_index(fresh[members])
-            columns = [*self._context[proposals.parent_node[pos]].T, proposals.token[fresh[members]]]
-        else:
-            columns = [proposals.key[fresh[members]]]
-        columns.append(slot[shares])
-        order = np.lexsort(columns)  # by slot, then n-gram; stable: creation order within a group
-        new_group = np.zeros(members.size, dtype=bool)
-        new_group[0] = True
-        for column in columns:
-            sorted_column = column[order]
-            new_group[1:] |= sorted_column[1:] != sorted_column[:-1]
-        if new_group.all():
-            return None
-        run_start, run_of = new_group.nonzero()[0], new_group.cumsum() - 1
-        grouped = members[order]
-        leader_of = np.arange(fresh.size)
-        leader_of[grouped] = best_of_runs(run_start, run_of, path_prob[grouped], grouped)[run_of]
-        return leader_of
+        shares[collided] = True
+        shares[owner[collided]] = True
+        members = shares.nonzero()[0]  # in creation order
+        group = np.empty(fresh.size, dtype=np.int64)  # set for members: the owner they joined
+        left, left_owner = members, owner[members]
+        while True:
+            same = self._same_ngram(proposals, fresh[left], fresh[left_owner])
+            group[left[same]] = left_owner[same]
+            left = left[~same]
+            if left.size == 0:
+                break
+            owner_of_slot[slot[left]] = left
+            left_owner = owner_of_slot[slot[left]]
+        member_group = group[members]
+        if (member_group == members).all():
+            return None  # only hash collisions
+        # Leader: the highest path prob of its group, then the first created.
+        member_pp = path_prob[members]
+        best_pp = np.full(fresh.size, -np.inf)
+        np.maximum.at(best_pp, member_group, member_pp)
+        is_best = member_pp == best_pp[member_group]
+        leader = np.full(fresh.size, fresh.size, dtype=np.int64)
+        np.minimum.at(leader, member_group[is_best], members[is_best])
+        index[members] = leader[member_group]
+        return index
+
+    def _same_ngram(self, proposals: _Proposals, candidate: np.ndarray, other: np.ndarray) -> np.ndarray:
+        """bool: candidates of one request with equal (r+1)-grams (exact: the key is a packing
+        for r <= 1, else the parents' contexts and the tokens are compared)."""
+        if self.params.merge_ngram <= 1:
+            return proposals.key[candidate] == proposals.key[other]
+        parent_node = proposals.parent_node
+        context, other_context = (self._context[parent_node[proposals.frontier_index(c)]] for c in (candidate, other))
+        return (context == other_context).all(1) & (proposals.token[candidate] == proposals.token[other])
 
     def _update_merge_state(self, proposals, existing, existing_dst, new, new_node, new_parent_node, new_row,
                             follower, follower_dst) -> None:
@@ -530,46 +566,42 @@ class GraphBuilder:
 
     def _add_reach_edges(self, proposals: _Proposals, edge: np.ndarray, dst: np.ndarray) -> None:
         """Record pseudo edges (candidate ids `edge` into drafted rows `dst`) in the reachability
-        sets, transitively: every node reachable from dst gains everything that reaches src.
+        sets, transitively: every node x reachable from dst (dst's bit is set in x's set) gains
+        every node that reaches src.
 
-        Edges of one level can chain (dst1 reaches src2), so repeat until nothing changes (chains
-        are short). Multiplying a uint64 word by a 0/1 mask selects it; OR-reduction per request
-        merges the edges. Edges come grouped by request (candidate order).
+        Edges of one level can chain (dst1 reaches src2), so repeat until no source's set grows
+        (chains are short). Multiplying a uint64 word by a 0/1 mask selects it; an unbuffered OR
+        (np.bitwise_or.at) merges the edges of one request.
         """
         if edge.size == 0:
             return
-        num_rows, nodes = self._num_rows, self._batch * self._num_rows
-        edge_request = proposals.request[proposals.frontier_index(edge)]
-        src_node = proposals.parent_node[proposals.frontier_index(edge)]
-        request_start, _ = runs_of_equal(edge_request)
-        touched = (edge_request[request_start][:, None] * num_rows + np.arange(num_rows)).reshape(-1)
-        request_nodes = edge_request[:, None] * num_rows + np.arange(num_rows)  # [E, N+1]
-        dst_word = (self._bit_word[dst - 1] * nodes)[:, None]
-        dst_shift = self._bit_shift[dst - 1][:, None]
-        reach = self._reach.reshape(-1)
-        src_reach = self._reach[:, src_node]  # [words, E]: m reaching src
+        pos = proposals.frontier_index(edge)
+        request, src = proposals.request[pos], proposals.parent[pos]
+        reach = self._reach.reshape(self._reach.shape[0], self._batch, self._num_rows)  # [words, B, N+1]
+        dst_word, dst_shift = self._bit_word[dst - 1], self._bit_shift[dst - 1][:, None]
+        src_reach = reach[:, request, src]  # [words, E]: the nodes reaching src
         while True:
-            below_dst = (reach[dst_word + request_nodes] >> dst_shift) & np.uint64(1)  # [E, N+1]
-            for word, src_word in zip(self._reach, src_reach):
-                gained = np.bitwise_or.reduceat(below_dst * src_word[:, None], request_start, axis=0).reshape(-1)
-                word[touched] = word[touched] | gained
+            below_dst = (reach[dst_word, request] >> dst_shift) & np.uint64(1)  # [E, N+1]
+            for word, src_word in zip(reach, src_reach):
+                np.bitwise_or.at(word, request, below_dst * src_word[:, None])
             # Converged once no source's set grew: a further pass could only add, to a node
             # below some dst, sets it already received through the source below that dst.
-            new_src_reach = self._reach[:, src_node]
+            new_src_reach = reach[:, request, src]
             if (new_src_reach == src_reach).all():
                 return
             src_reach = new_src_reach
 
-    def _add_nodes(self, proposals: _Proposals, new, pos, count, node, parent_node) -> None:
-        """Store the new nodes (candidate ids `new` of frontier rows `pos`, flat node ids
-        `node`, `count` per request); all of this level's nodes have depth = level."""
+    def _add_nodes(self, proposals: _Proposals, new, pos, count, added: _Front, parent_node) -> None:
+        """Store the new nodes (candidate ids `new` of frontier rows `pos`, `count` per request,
+        `added` their rows and values); all of this level's nodes have depth = level."""
         rank = new - pos * proposals.width
         prob = proposals.prob[new]
-        self._token.reshape(-1)[node] = proposals.token[new]
+        node = added.node
+        self._token.reshape(-1)[node] = added.token
         self._parent.reshape(-1)[node] = proposals.parent[pos]
         self._depth.reshape(-1)[node] = self._levels_expanded
         self._edge_prob.reshape(-1)[node] = prob
-        self._path_prob.reshape(-1)[node] = proposals.path_prob[new]
+        self._path_prob.reshape(-1)[node] = added.path_prob
         self._child_rank.reshape(-1)[node] = rank
         self._num_nodes += count
         self._pending_words.append((node, parent_node))
