@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from vllm_gsd.graph import GraphBuilder, GraphParams, ancestor_words_from_parents
 from vllm_gsd.graph import builder as builder_module
 from vllm_gsd.graph import unroll as unroll_module
-from graph_refs import ancestor_words_reference, reference_tree  # noqa: E402
+from graph_refs import ReferenceGraph, ancestor_words_reference, reference_tree  # noqa: E402
 
 
 def random_topk(generator: torch.Generator, num_rows: int, vocab: int, k: int, quantize: bool):
@@ -238,6 +238,37 @@ def test_graph_and_tree_properties(params, batch, vocab, seed, quantize):
     builder, frontiers, history = build(params, batch, vocab, seed, quantize)
     graph = check_graph(builder, frontiers, history, params)
     check_tree(builder.build_tree(), graph, params)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=params_strategy, batch=st.integers(1, 4), vocab=st.integers(2, 6),
+       seed=st.integers(0, 2**31 - 1), quantize=st.booleans())
+def test_graph_is_the_reference_rule(params, batch, vocab, seed, quantize):
+    """Node by node and edge by edge, the graph the plain-Python rule (graph_refs) drafts from
+    the same top-k: every frontier, row, parent, probability and pseudo edge, in order."""
+    generator = torch.Generator().manual_seed(seed)
+    roots = torch.randint(0, vocab, (batch,), generator=generator)
+    history = torch.randint(0, vocab, (batch, 3), generator=generator)
+    history[0, :2] = -1
+    builder, reference = GraphBuilder(params, roots, history), ReferenceGraph(params, roots.tolist(), history.tolist())
+    while (frontier := builder.frontier()) is not None:
+        assert list(zip(frontier.request_index.tolist(), frontier.node_row.tolist())) == reference.frontier
+        ids, probs = random_topk(generator, frontier.request_index.numel(), vocab, params.top_k, quantize)
+        builder.expand(ids, probs)
+        reference.expand(ids.tolist(), probs.tolist())
+    assert reference.frontier == [] or reference.level == params.max_depth
+    graph = builder.graph()
+    for b, nodes in enumerate(reference.nodes):
+        n = len(nodes)
+        assert graph.num_nodes[b] == n - 1
+        for name, field in (("token_ids", "token"), ("parent_row", "parent"), ("depth", "depth"),
+                            ("edge_prob", "edge_prob"), ("path_prob", "path_prob"), ("child_rank", "rank")):
+            assert getattr(graph, name)[b, :n].tolist() == [node[field] for node in nodes], name
+        mine = graph.pseudo_request == b
+        got = list(zip(graph.pseudo_src[mine].tolist(), graph.pseudo_dst[mine].tolist(),
+                       graph.pseudo_prob[mine].tolist(), graph.pseudo_rank[mine].tolist()))
+        assert got == reference.pseudo[b]
+        assert graph.num_merges[b] == len(reference.pseudo[b]) and graph.expansions_saved[b] == reference.saved[b]
 
 
 def test_merges_happen_and_save_expansions():

@@ -170,6 +170,18 @@ def _ngram_key(prefix: np.ndarray, last: np.ndarray) -> np.ndarray:
     return (key * 1_000_003 + (last + 1)) | 1
 
 
+def _edges_to_kept_leaders(fresh: np.ndarray, kept: np.ndarray, kept_row: np.ndarray, follower: np.ndarray,
+                           leader: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(candidate ids, target rows) of the pseudo edges from same-level followers to their
+    leaders, for the leaders that made the budget (kept, ascending indices into `fresh`, at
+    rows kept_row); followers of a cut leader are dropped with it."""
+    if kept.size == 0:
+        return _EMPTY, _EMPTY
+    at = np.minimum(np.searchsorted(kept, leader), kept.size - 1)
+    leader_kept = (kept[at] == leader).nonzero()[0]
+    return fresh[follower[leader_kept]], kept_row[at[leader_kept]]
+
+
 class GraphBuilder:
     """Drafts a batch of hypothesis graphs level by level (see the module docstring)."""
 
@@ -289,8 +301,7 @@ class GraphBuilder:
         request's node budget by path probability.
         """
         proposals = self._propose(topk_token_ids, topk_probs)  # 1.
-        # 2. merges into drafted nodes (candidate ids and target rows).
-        existing, existing_dst = _EMPTY, _EMPTY
+        existing, existing_dst = _EMPTY, _EMPTY  # 2. merges into drafted nodes (candidates, rows)
         if self.params.merging and self._num_nodes.any():
             existing, existing_dst = self._match_existing(proposals)
         fresh = proposals.valid
@@ -298,61 +309,51 @@ class GraphBuilder:
             fresh = fresh.copy()
             fresh[existing] = False
         fresh = fresh.nonzero()[0]  # candidate ids, in creation order (grouped by request)
-        fresh_pos = proposals.frontier_index(fresh)
-        fresh_request = proposals.request[fresh_pos]
         fresh_pp = proposals.path_prob[fresh]
-        # 3. same-level duplicates collapse into a leader; the others will point at it.
-        leader_of = None  # index into `fresh` of each one's leader
+        followers = None  # 3. same-level duplicates: (follower, its leader), indices into `fresh`
         request = proposals.request  # only children of two frontier rows of one request can collide
         if self.params.merging and fresh.size > 1 and (request[1:] == request[:-1]).any():
-            leader_of = self._same_level_leaders(proposals, fresh, fresh_pp)
-        kept = None  # index into `fresh` of the new nodes (None: all of them)
-        new_request, new_pp = fresh_request, fresh_pp
-        if leader_of is not None:
-            kept = (leader_of == np.arange(fresh.size)).nonzero()[0]
-            new_request, new_pp = fresh_request[kept], fresh_pp[kept]
-        # 4. budget: leaders compete per request by path prob (ties: creation order).
-        remaining = self._budget - self._num_nodes
-        count = np.bincount(new_request, minlength=self._batch)
-        if (count > remaining).any():
-            best = best_in_group(new_request, new_pp, remaining, count)
-            kept = best.nonzero()[0] if kept is None else kept[best]
-            new_request, count = new_request[best], np.minimum(count, remaining)
-        new, new_pos = (fresh, fresh_pos) if kept is None else (fresh[kept], fresh_pos[kept])
-        # Rows continue each request's numbering, in creation order (new is ascending).
-        new_row = (self._num_nodes + 1 - (count.cumsum() - count))[new_request] + np.arange(new.size)
-
-        # Pseudo edges into this level's kept leaders.
+            followers = self._same_level_leaders(proposals, fresh, fresh_pp)
+        kept, count = self._fit_budget(proposals, fresh, fresh_pp, followers)  # 4.
+        new = fresh[kept]
+        added = self._add_nodes(proposals, new, count)
         follower, follower_dst = _EMPTY, _EMPTY
-        if leader_of is not None:
-            row_of_fresh = np.zeros(fresh.size, dtype=np.int64)
-            row_of_fresh[kept] = new_row
-            others = (leader_of != np.arange(fresh.size)).nonzero()[0]
-            follower_dst = row_of_fresh[leader_of[others]]
-            follower, follower_dst = fresh[others[follower_dst > 0]], follower_dst[follower_dst > 0]
+        if followers is not None:
+            follower, follower_dst = _edges_to_kept_leaders(fresh, kept, added.row, *followers)
+        self._front = self._next_front(proposals, new, added)  # 5.
+        if self.params.merging and self._front.request.size:  # only later levels read it
+            self._update_merge_state(proposals, existing, existing_dst, new, added, follower, follower_dst)
+        self._add_pseudo_edges(proposals, np.concatenate([existing, follower]),
+                               np.concatenate([existing_dst, follower_dst]))
 
-        new_parent_node = proposals.parent_node[new_pos]
-        added = _Front(new_request, new_row, new_request * self._num_rows + new_row, proposals.token[new],
-                       proposals.path_prob[new])
-        self._add_nodes(proposals, new, new_pos, count, added, new_parent_node)
-        new_node = added.node
+    def _fit_budget(self, proposals: _Proposals, fresh: np.ndarray, fresh_pp: np.ndarray,
+                    followers: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
+        """Step 4: (kept, count): the leaders among `fresh` (indices into it, ascending) that
+        fit their request's remaining budget, best path prob first (ties: creation order), and
+        how many per request."""
+        fresh_request = proposals.request[proposals.frontier_index(fresh)]
+        kept = np.arange(fresh.size)
+        if followers is not None:
+            is_leader = np.ones(fresh.size, dtype=bool)
+            is_leader[followers[0]] = False
+            kept = is_leader.nonzero()[0]
+            fresh_request, fresh_pp = fresh_request[kept], fresh_pp[kept]
+        remaining = self._budget - self._num_nodes
+        count = np.bincount(fresh_request, minlength=self._batch)
+        if (count > remaining).any():
+            kept = kept[best_in_group(fresh_request, fresh_pp, remaining, count)]
+            count = np.minimum(count, remaining)
+        return kept, count
 
-        # 5. next frontier: new nodes that are not leaves. A request whose graph is full stops
-        # drafting: its children could only be merges.
-        expandable = self._num_nodes[new_request] < self._budget
+    def _next_front(self, proposals: _Proposals, new: np.ndarray, added: _Front) -> _Front:
+        """Step 5: the new nodes that are not leaves. A request whose graph is full stops
+        drafting: its children could only be merges."""
+        expandable = self._num_nodes[added.request] < self._budget
         if proposals.expandable is not None:
             expandable &= proposals.expandable[new]
         if expandable.all():
-            self._front = added
-        elif not expandable.any():
-            self._front = added.select(_EMPTY)
-        else:
-            self._front = added.select(expandable.nonzero()[0])
-        if self.params.merging and self._front.request.size:  # only later levels read it
-            self._update_merge_state(proposals, existing, existing_dst, new, new_node, new_parent_node,
-                                     new_row, follower, follower_dst)
-        self._add_pseudo_edges(proposals, np.concatenate([existing, follower]),
-                               np.concatenate([existing_dst, follower_dst]))
+            return added
+        return added.select(expandable.nonzero()[0] if expandable.any() else _EMPTY)
 
     def graph(self) -> HypothesisGraph:
         """A copy of the graph built so far."""
@@ -405,7 +406,8 @@ class GraphBuilder:
                         valid[:, later] &= tokens[:, later] != tokens[:, earlier]
         parent_node = front.node
         # Per-row values spread to the row's k candidates (np.repeat beats [F, 1] broadcasting).
-        path_prob = np.repeat(front.path_prob, width) * probs.reshape(-1)
+        path_prob = np.repeat(front.path_prob, width)
+        path_prob *= probs.reshape(-1)
         expandable = None
         if self._levels_expanded >= params.max_depth:
             expandable = np.zeros(probs.size, dtype=bool)
@@ -417,11 +419,14 @@ class GraphBuilder:
             if params.merge_ngram == 0:
                 key = proposals.token + 1
             elif params.merge_ngram == 1:
-                key = np.repeat((front.token + 1) << 32, width) | (proposals.token + 1)
+                key = np.repeat(((front.token + 1) << 32) + 1, width)  # + (token + 1): the low 32 bits
+                key += proposals.token
             else:
                 key = _ngram_key(self._context[parent_node, None, :], tokens).reshape(-1)
             proposals.key = key
-            slot = ((key.view(np.uint64) * _GOLDEN) >> np.uint64(64 - self._slot_bits)).view(np.int64)
+            slot = key.view(np.uint64) * _GOLDEN
+            slot >>= np.uint64(64 - self._slot_bits)
+            slot = slot.view(np.int64)
             slot += np.repeat(request << self._slot_bits, width)
             proposals.slot = slot
         return proposals
@@ -490,9 +495,10 @@ class GraphBuilder:
         return maybe[pair_cand[cand_start]], best_of_runs(cand_start, cand_of, pair_pp, pair_m)
 
     def _same_level_leaders(self, proposals: _Proposals, fresh, path_prob):
-        """Step 3: the leader of each new-node candidate `fresh` (an index into it), or None
-        when no two share an n-gram: candidates of one request with the same n-gram collapse
-        into the one with the highest path prob, then the first created.
+        """Step 3: (followers, their leaders) among the new-node candidates `fresh` (indices into
+        it, followers ascending), or None when no two share an n-gram: candidates of one
+        request with the same n-gram collapse into the one with the highest path prob, then the
+        first created.
 
         Candidates with one n-gram share a hash-set slot. Each candidate writes its index into
         its slot and reads the slot back: a slot written more than once returns one of its
@@ -526,14 +532,16 @@ class GraphBuilder:
         if (member_group == members).all():
             return None  # only hash collisions
         # Leader: the highest path prob of its group, then the first created.
+        group_at = np.searchsorted(members, member_group)  # owners are members
         member_pp = path_prob[members]
-        best_pp = np.full(fresh.size, -np.inf)
-        np.maximum.at(best_pp, member_group, member_pp)
-        is_best = member_pp == best_pp[member_group]
-        leader = np.full(fresh.size, fresh.size, dtype=np.int64)
-        np.minimum.at(leader, member_group[is_best], members[is_best])
-        index[members] = leader[member_group]
-        return index
+        best_pp = np.full(members.size, -np.inf)
+        np.maximum.at(best_pp, group_at, member_pp)
+        is_best = member_pp == best_pp[group_at]
+        leader = np.full(members.size, fresh.size, dtype=np.int64)
+        np.minimum.at(leader, group_at[is_best], members[is_best])
+        member_leader = leader[group_at]
+        follows = (member_leader != members).nonzero()[0]
+        return members[follows], member_leader[follows]
 
     def _same_ngram(self, proposals: _Proposals, candidate: np.ndarray, other: np.ndarray) -> np.ndarray:
         """bool: candidates of one request with equal (r+1)-grams (exact: the key is a packing
@@ -544,15 +552,16 @@ class GraphBuilder:
         context, other_context = (self._context[parent_node[proposals.frontier_index(c)]] for c in (candidate, other))
         return (context == other_context).all(1) & (proposals.token[candidate] == proposals.token[other])
 
-    def _update_merge_state(self, proposals, existing, existing_dst, new, new_node, new_parent_node, new_row,
-                            follower, follower_dst) -> None:
+    def _update_merge_state(self, proposals: _Proposals, existing, existing_dst, new, added: _Front, follower,
+                            follower_dst) -> None:
         """What later levels' merge rule reads: reachability (edges into existing nodes first,
         since they may change a frontier node's ancestors; then the new nodes inherit their
         parent's set; then edges into new nodes), keys, contexts and the hash sets."""
-        num_rows = self._num_rows
+        num_rows, new_node = self._num_rows, added.node
+        new_parent_node = proposals.parent_node[proposals.frontier_index(new)]
         self._add_reach_edges(proposals, existing, existing_dst)
         for word, own in zip(self._reach, self._own_reach):
-            word[new_node] = word[new_parent_node] | own[new_row]
+            word[new_node] = word[new_parent_node] | own[added.row]
         if follower.size:
             src = proposals.parent_node[proposals.frontier_index(follower)]
             dst = proposals.request[proposals.frontier_index(follower)] * num_rows + follower_dst
@@ -591,12 +600,17 @@ class GraphBuilder:
                 return
             src_reach = new_src_reach
 
-    def _add_nodes(self, proposals: _Proposals, new, pos, count, added: _Front, parent_node) -> None:
-        """Store the new nodes (candidate ids `new` of frontier rows `pos`, `count` per request,
-        `added` their rows and values); all of this level's nodes have depth = level."""
+    def _add_nodes(self, proposals: _Proposals, new: np.ndarray, count: np.ndarray) -> _Front:
+        """Store the new nodes (candidate ids `new`, ascending, `count` per request); their rows
+        continue each request's numbering in creation order, and all of this level's nodes have
+        depth = level. Returns them as a front."""
+        pos = proposals.frontier_index(new)
+        request = proposals.request[pos]
+        row = (self._num_nodes + 1 - (count.cumsum() - count))[request] + np.arange(new.size)
+        added = _Front(request, row, request * self._num_rows + row, proposals.token[new], proposals.path_prob[new])
         rank = new - pos * proposals.width
         prob = proposals.prob[new]
-        node = added.node
+        node, parent_node = added.node, proposals.parent_node[pos]
         self._token.reshape(-1)[node] = added.token
         self._parent.reshape(-1)[node] = proposals.parent[pos]
         self._depth.reshape(-1)[node] = self._levels_expanded
@@ -609,6 +623,7 @@ class GraphBuilder:
         self._out_node[slot] = node
         self._out_prob[slot] = prob
         self._has_children[parent_node] = True
+        return added
 
     def _add_pseudo_edges(self, proposals: _Proposals, edge: np.ndarray, dst: np.ndarray) -> None:
         """Record pseudo edges (candidate ids `edge` into rows `dst`) and the merge statistics."""

@@ -193,8 +193,7 @@ def _grow(blocks: list[_Nodes], graph: HypothesisGraph, bound: np.ndarray, front
     num_ranks = graph.out_node.size // graph.has_children.size
     next_id = sum(block.node.size for block in blocks)
     while front.node.size:
-        keep = graph.has_children[front.node].nonzero()[0]
-        front, front_id = _Nodes(*(column[keep] for column in front)), front_id[keep]
+        # Every out-edge slot of the front (most fronts are mostly leaves: cheaper than a filter).
         slots = ((front.node * num_ranks)[:, None] + np.arange(num_ranks)).reshape(-1)
         child = (graph.out_node[slots] >= 0).nonzero()[0]
         if child.size == 0:
@@ -246,8 +245,8 @@ def _flatten(graph: HypothesisGraph, nodes: _Nodes, budget: np.ndarray,
         return None
     order_request = request[order]
     count = np.bincount(request, minlength=batch)  # generated nodes per request, root included
-    if (count > budget + 1).any():
-        keep = np.arange(order.size) - (count.cumsum() - count)[order_request] <= budget[order_request]
+    if (count > budget + 1).any():  # keep positions start[b] .. start[b] + budget[b] of request b
+        keep = (np.arange(order.size) <= (count.cumsum() - count + budget)[order_request]).nonzero()[0]
         order, order_request = order[keep], order_request[keep]
         count = np.minimum(count, budget + 1)
     # Breadth-first: a stable sort by (request, depth) keeps that order within each group.
@@ -257,7 +256,7 @@ def _flatten(graph: HypothesisGraph, nodes: _Nodes, budget: np.ndarray,
     row = np.arange(order.size) - (count.cumsum() - count)[order_request]  # the root is row 0
     row_of_id = np.full(request.size, -1, dtype=np.int64)
     row_of_id[order] = row
-    is_node = row > 0
+    is_node = (row > 0).nonzero()[0]
     order, row, tree_request = order[is_node], row[is_node], order_request[is_node]
     parent = row_of_id[nodes.parent_id[order]]
     assert (parent >= 0).all(), "top-n selection must be closed under ancestors"
