@@ -32,8 +32,9 @@ All bookkeeping is numpy on the CPU, vectorized over every frontier row of every
 1-D gathers and scatters: nodes are addressed by flat ids (request * (N + 1) + row), candidates
 by f * k + j (frontier row f, top-k column j). State only later levels read (merge rule) is not
 written at the last level, and the draft ancestor words are brought up to date when read.
-Python loops are over levels, top-k columns, bitset words and the rare chains of same-level
-merges (reachability closure). Inputs may live on any device; outputs are CPU tensors.
+Python loops are over levels, top-k columns, bitset words, the rare chains of same-level
+merges (reachability closure) and the rarer rounds of hash collisions between different n-grams
+(step 3). Inputs may live on any device; outputs are CPU tensors.
 """
 
 from __future__ import annotations

@@ -235,23 +235,30 @@ def _flatten(graph: HypothesisGraph, nodes: _Nodes, budget: np.ndarray,
     """Keep each request's root and budget[b] best generated nodes (path prob descending, then
     id: shallower first, then creation order) and lay them out breadth-first (depth, then path
     prob descending, then id). None when a tie would have to be broken by ids from
-    `ordered_below` on (not in creation order)."""
+    `ordered_below` on (not in creation order). When no request has more nodes than it keeps,
+    one sort by (request, depth, path prob descending, id) does both."""
     batch, num_rows = graph.token_ids.shape
     width = num_rows - 1
     request = nodes.request
-    # Best first within each request; the root (path prob +inf) leads.
-    order = order_by_group_then_value_desc(request, nodes.path_prob, ordered_below)
-    if order is None:
-        return None
-    order_request = request[order]
     count = np.bincount(request, minlength=batch)  # generated nodes per request, root included
-    if (count > budget + 1).any():  # keep positions start[b] .. start[b] + budget[b] of request b
+    max_depth = int(nodes.depth.max())
+    if (count <= budget + 1).all():  # every node is kept: sort breadth-first at once
+        order = order_by_group_then_value_desc(request * (max_depth + 1) + nodes.depth, nodes.path_prob,
+                                               ordered_below)
+        if order is None:
+            return None
+    else:
+        # Best first within each request (the root, path prob +inf, leads); keep positions
+        # start[b] .. start[b] + budget[b] of request b.
+        order = order_by_group_then_value_desc(request, nodes.path_prob, ordered_below)
+        if order is None:
+            return None
+        order_request = request[order]
         keep = (np.arange(order.size) <= (count.cumsum() - count + budget)[order_request]).nonzero()[0]
         order, order_request = order[keep], order_request[keep]
         count = np.minimum(count, budget + 1)
-    # Breadth-first: a stable sort by (request, depth) keeps that order within each group.
-    max_depth = int(nodes.depth.max())
-    order = order[stable_order_small(order_request * (max_depth + 1) + nodes.depth[order])]
+        # Breadth-first: a stable sort by (request, depth) keeps that order within each group.
+        order = order[stable_order_small(order_request * (max_depth + 1) + nodes.depth[order])]
     order_request = request[order]
     row = np.arange(order.size) - (count.cumsum() - count)[order_request]  # the root is row 0
     row_of_id = np.full(request.size, -1, dtype=np.int64)
