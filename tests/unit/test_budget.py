@@ -113,6 +113,7 @@ def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
     depth = np.tile([1, 2, 3, 4, 1, 2, 2, 3], (2, 1))
     for level, rows in enumerate([2, 2, 2, 2]):
         policy.observe_forward(level, rows, 1)
+    policy.finish_draft()
     policy.select(path_prob, depth, np.array([8, 8]), num_other_tokens=0, draft_seconds=0.2)
     assert policy.should_draft(num_tree_requests=1, num_other_tokens=0)
     assert not policy.should_draft(num_tree_requests=256, num_other_tokens=0)
@@ -122,9 +123,22 @@ def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
 def test_a_long_run_of_plain_steps_is_broken_by_one_drafted_step():
     policy = _policy(CostCurve((1, 2), (0.1, 0.2)), draft_cost=CostCurve((1,), (1.0,)), node_budget=4)
     policy.select(np.array([[0.5, 0.2, 0.1, 0.1]]), np.array([[1, 1, 2, 2]]), np.array([4]), 0, 1.0)
-    decisions = [policy.should_draft(8, 0) for _ in range(3 * policy.explore_every)]
+    decisions = [bool(policy.should_draft(8, 0)) for _ in range(3 * policy.explore_every)]
     assert sum(decisions) == 3
     assert decisions[policy.explore_every - 1] and not any(decisions[: policy.explore_every - 1])
+
+
+def test_the_expected_draft_cost_counts_each_forward_as_often_as_it_runs():
+    policy = _policy(FLAT, draft_cost=CostCurve((1, 10), (1.0, 2.0)), max_depth=3)
+    for step in range(200):  # catch-up and level 1 every step, level 2 every other step
+        policy.observe_forward(0, 1, 1)
+        policy.observe_forward(1, 3, 1)
+        if step % 2:
+            policy.observe_forward(2, 6, 1)
+        policy.finish_draft()
+    # 1 request: catch-up 1 row (1.0 s), level 1 3 rows, level 2 6 rows half the time.
+    expected = 1.0 + (1.0 + 2 / 9) + 0.5 * (1.0 + 5 / 9)
+    assert policy.expected_draft_seconds(1) == pytest.approx(expected, rel=0.05)
 
 
 def test_continue_drafting_weighs_the_next_level_against_its_forward():

@@ -139,10 +139,14 @@ class GsdProposer(DraftModelProposer):
         if not candidates:
             self._record(stats)
             return drafts
-        if self.policy is not None and not self.policy.should_draft(len(candidates), num_plain):
-            stats.steps_not_speculated += 1
-            self._record(stats)
-            return drafts
+        if self.policy is not None:
+            decision = self.policy.should_draft(len(candidates), num_plain)
+            logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
+                         num_plain, "draft" if decision else "plain step", decision.why)
+            if not decision:
+                stats.steps_not_speculated += 1
+                self._record(stats)
+                return drafts
 
         started = time.perf_counter()
         root_logits, draft_seconds = self._catch_up(runner, candidates, stats)
@@ -325,6 +329,7 @@ class GsdProposer(DraftModelProposer):
         tree = builder.build_tree()
         stats.nodes_offered += int(tree.num_nodes.sum())
         if policy is not None:
+            policy.finish_draft()
             selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
                                       num_plain, draft_seconds)
             tree = builder.build_tree(node_budget=selection.node_budget)

@@ -138,6 +138,17 @@ def best_rate(base_tokens: float, gains_desc: np.ndarray, fixed_seconds: float,
     return best, float(rate[best])
 
 
+@dataclass(frozen=True)
+class Decision:
+    """`NodeBudgetPolicy.should_draft`'s answer, with the figures it rests on (for the log)."""
+
+    draft: bool
+    why: str
+
+    def __bool__(self) -> bool:
+        return self.draft
+
+
 @dataclass
 class Selection:
     """What `NodeBudgetPolicy.select` chose for one step."""
@@ -167,32 +178,43 @@ class NodeBudgetPolicy:
         # Recent history, for predicting a step before drafting it (None until the first tree):
         # [N + 1, D + 1], the path probs of a request's best n nodes (by path prob), by depth.
         self._best_nodes_mass: np.ndarray | None = None
-        self._frontier_per_request = np.zeros(max_depth)  # [D]: draft rows per request at level l
+        # Per draft forward l (0 = catch-up, l >= 1 expands depth-l nodes): how often a drafted
+        # step runs it, and its rows per request when it runs.
+        self._level_runs = np.zeros(max_depth)
+        self._level_rows = np.zeros(max_depth)
+        self._ran_this_step = np.zeros(max_depth, dtype=bool)
         self._top_child_prob = 0.8  # draft prob of a node's best child (for the next-level estimate)
         self._plain_streak = 0
 
     # ---------------------------------------------------------------- before drafting
 
-    def should_draft(self, num_tree_requests: int, num_other_tokens: int) -> bool:
+    def should_draft(self, num_tree_requests: int, num_other_tokens: int) -> Decision:
         """Whether a drafted step is expected to emit more tokens per second than a plain one."""
         if num_tree_requests == 0:
-            return False
+            return Decision(False, "no request can grow a tree")
         if self._best_nodes_mass is None:
-            return True  # nothing measured yet: try
+            return Decision(True, "nothing measured yet")
         r, base = num_tree_requests, num_tree_requests + num_other_tokens
         plain_rate = base / self.target_cost(base)
-        draft_seconds = float(self.draft_cost(r * self._frontier_per_request[self._frontier_per_request > 0]).sum())
+        draft_seconds = self.expected_draft_seconds(r)
         n = np.arange(self.node_budget + 1)
         spec_rate = (base + r * self.gain_curve()) / (draft_seconds + self.target_cost(base + r * n))
-        if spec_rate[1:].max() > plain_rate:
+        best = int(np.argmax(spec_rate[1:])) + 1
+        rates = f"{spec_rate[best]:.2f} tokens/s at {best} nodes per tree against {plain_rate:.2f} plain"
+        if spec_rate[best] > plain_rate:
             self._plain_streak = 0
-            return True
+            return Decision(True, rates)
         # Decisions rest on estimates that only drafted steps refresh: every so often, draft anyway.
         self._plain_streak += 1
         if self._plain_streak >= self.explore_every:
             self._plain_streak = 0
-            return True
-        return False
+            return Decision(True, f"{rates}; drafting once to refresh the estimates")
+        return Decision(False, rates)
+
+    def expected_draft_seconds(self, num_tree_requests: int) -> float:
+        """Draft forwards of a typical drafted step for this many tree requests, in seconds."""
+        rows = np.maximum(1.0, num_tree_requests * self._level_rows)
+        return float((self._level_runs * self.draft_cost(rows)).sum())
 
     # ---------------------------------------------------------------- while drafting
 
@@ -222,8 +244,16 @@ class NodeBudgetPolicy:
         """Record a draft forward: level 0 is the catch-up, level l >= 1 expands depth-l nodes."""
         if 0 <= level < self.max_depth and num_tree_requests:
             a = self._smoothing
-            self._frontier_per_request[level] = (
-                (1 - a) * self._frontier_per_request[level] + a * num_rows / num_tree_requests)
+            seen = self._level_runs[level] > 0
+            self._level_rows[level] = ((1 - a) * self._level_rows[level] + a * num_rows / num_tree_requests
+                                       if seen else num_rows / num_tree_requests)
+            self._ran_this_step[level] = True
+
+    def finish_draft(self) -> None:
+        """Close a drafted step: which draft forwards it ran."""
+        a = self._smoothing
+        self._level_runs = (1 - a) * self._level_runs + a * self._ran_this_step
+        self._ran_this_step[:] = False
 
     def observe_children(self, top_child_prob: np.ndarray) -> None:
         """Record the draft probability of the best child of each expanded node."""
