@@ -141,6 +141,28 @@ def test_the_expected_draft_cost_counts_each_forward_as_often_as_it_runs():
     assert policy.expected_draft_seconds(1) == pytest.approx(expected, rel=0.05)
 
 
+def test_learned_scales_carry_real_step_times_into_the_decision():
+    """Bare forwards say drafting pays at batch 8; real steps that verify trees take 3x their
+    forward's time (attention under the graph mask, input building): then it does not."""
+    def taught(learn_scales):
+        policy = NodeBudgetPolicy(CPU_LIKE, CostCurve((1, 64), (0.02, 0.05)), node_budget=4,
+                                  max_depth=2, learn_scales=learn_scales)
+        policy.observe_forward(0, 2, 1)
+        policy.observe_forward(1, 3, 1)
+        policy.finish_draft()
+        policy.select(np.tile([0.95, 0.9, 0.3, 0.2], (8, 1)), np.tile([1, 2, 1, 2], (8, 1)),
+                      np.full(8, 4), 0, 0.04)
+        for _ in range(100):
+            policy.observe_time("plain", 0.11, 0.11)
+            policy.observe_time("tree", 0.2, 0.6)
+        return policy
+
+    assert taught(learn_scales=False).should_draft(8, 0)
+    learned = taught(learn_scales=True)
+    assert learned.scale["tree"] == pytest.approx(3.0, rel=0.01) and learned.scale["plain"] == pytest.approx(1.0)
+    assert not learned.should_draft(8, 0)
+
+
 def test_continue_drafting_weighs_the_next_level_against_its_forward():
     cheap_draft = _policy(FLAT, draft_cost=CostCurve((1,), (1e-6,)))
     costly_draft = _policy(FLAT, draft_cost=CostCurve((1,), (10.0,)))

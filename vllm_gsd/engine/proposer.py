@@ -106,6 +106,9 @@ class GsdProposer(DraftModelProposer):
         self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
         # Per request: the draft's KV is valid for positions [0, value).
         self._draft_known: dict[str, int] = {}
+        # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
+        self._step_times: list[tuple[str, float, float]] = []
+        self._curve_seconds = 0.0  # this step's draft forwards, by the draft's cost curve
         self._refusals_logged: set[str] = set()
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
 
@@ -115,7 +118,30 @@ class GsdProposer(DraftModelProposer):
         if not knobs.adaptive or self.policy is not None:
             return
         target_cost, draft_cost = budget_cost_curves(runner, self, knobs.cost_curve)
-        self.policy = NodeBudgetPolicy(target_cost, draft_cost, self.node_budget, knobs.max_depth)
+        # Curves measured here time bare forwards: real step times refine them (a user's are kept).
+        self.policy = NodeBudgetPolicy(target_cost, draft_cost, self.node_budget, knobs.max_depth,
+                                       learn_scales=knobs.cost_curve is None)
+
+    def record_target_forward(self, num_tokens: int, seconds: float, verified_trees: bool) -> None:
+        """The runner's target forward of this step took `seconds` (engine/runner_hooks.py)."""
+        if self.policy is not None and self.policy.learn_scales:
+            self._step_times.append(("tree" if verified_trees else "plain",
+                                     float(self.policy.target_cost(num_tokens)), seconds))
+
+    def _learn_step_times(self) -> None:
+        """Give the policy the measured times (the slowest tensor-parallel rank's, so that every
+        rank's policy learns the same scales)."""
+        if not self._step_times:
+            return
+        measured = torch.tensor([t for _, _, t in self._step_times], dtype=torch.float64)
+        if self.vllm_config.parallel_config.tensor_parallel_size > 1:
+            from vllm.distributed import get_tp_group
+
+            torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX,
+                                         group=get_tp_group().cpu_group)
+        for (kind, predicted, _), seconds in zip(self._step_times, measured.tolist()):
+            self.policy.observe_time(kind, predicted, seconds)
+        self._step_times.clear()
 
     def _record(self, stats: GsdStats) -> None:
         """Add this step's drafting figures to the worker's GSD metrics."""
@@ -130,6 +156,7 @@ class GsdProposer(DraftModelProposer):
                      ) -> list[list[int]]:
         batch = runner.input_batch
         req_ids = list(batch.req_ids[:batch.num_reqs])
+        self._learn_step_times()
         self._observe_verified(req_ids, scheduler_output, valid_sampled_token_ids)
         self.trees = {}
         stats = GsdStats()
@@ -148,9 +175,9 @@ class GsdProposer(DraftModelProposer):
                 self._record(stats)
                 return drafts
 
-        started = time.perf_counter()
-        root_logits, draft_seconds = self._catch_up(runner, candidates, stats)
-        tree = self._grow(runner, candidates, root_logits, num_plain, draft_seconds, stats)
+        started, self._curve_seconds = time.perf_counter(), 0.0
+        root_logits = self._catch_up(runner, candidates, stats)
+        tree = self._grow(runner, candidates, root_logits, num_plain, stats)
         num_nodes = tree.num_nodes.tolist()
         for b, candidate in enumerate(candidates):
             n = num_nodes[b]
@@ -170,7 +197,10 @@ class GsdProposer(DraftModelProposer):
         stats.graph_nodes_drafted += int(tree.num_graph_nodes.sum())
         stats.merges += int(tree.num_merges.sum())
         stats.draft_expansions_saved += int(tree.expansions_saved.sum())
-        stats.draft_step_us += int((time.perf_counter() - started) * 1e6)
+        drafted_in = time.perf_counter() - started
+        stats.draft_step_us += int(drafted_in * 1e6)
+        if self.policy is not None and self.policy.learn_scales:
+            self._step_times.append(("draft", self._curve_seconds, drafted_in))
         self._check_ranks_agree(req_ids, drafts)
         self._record(stats)
         return drafts
@@ -249,10 +279,8 @@ class GsdProposer(DraftModelProposer):
         last_slot = root_pos + self.node_budget
         return last_slot < self.max_model_len and last_slot < allocated
 
-    def _catch_up(self, runner, candidates: list[_Candidate], stats: GsdStats
-                  ) -> tuple[torch.Tensor, float]:
-        """Run the draft over each candidate's unseen tokens; return the roots' logits [R, V] and
-        the policy's cost estimate of the forwards run."""
+    def _catch_up(self, runner, candidates: list[_Candidate], stats: GsdStats) -> torch.Tensor:
+        """Run the draft over each candidate's unseen tokens; return the roots' logits [R, V]."""
         token_ids_cpu = runner.input_batch.token_ids_cpu
         cap = self.max_num_tokens
         forwards: list[list[tuple[int, int, int]]] = [[]]  # per forward: (candidate, lo, hi)
@@ -267,7 +295,7 @@ class GsdProposer(DraftModelProposer):
                 forwards[-1].append((k, lo, lo + take))
                 used, lo = used + take, lo + take
         root_logits: list[torch.Tensor | None] = [None] * len(candidates)
-        draft_seconds, total_tokens = 0.0, 0
+        total_tokens = 0
         for pieces in forwards:
             fwd = _Forward(batch_rows=np.asarray([candidates[k].batch_row for k, _, _ in pieces]))
             for k, lo, hi in pieces:
@@ -280,20 +308,17 @@ class GsdProposer(DraftModelProposer):
             logits = self._forward(runner, fwd, None, last_token[ends_root], stats)
             for row, j in enumerate(ends_root):
                 root_logits[pieces[j][0]] = logits[row]
-            num_tokens = int(last_token[-1] + 1)
-            total_tokens += num_tokens
-            if self.policy is not None:
-                draft_seconds += self.policy.draft_cost(num_tokens)
+            total_tokens += int(last_token[-1] + 1)
         stats.draft_tokens_computed += total_tokens
         stats.levels_drafted += 1
         if self.policy is not None:
             self.policy.observe_forward(0, total_tokens, len(candidates))
         for candidate in candidates:
             self._draft_known[candidate.req_id] = candidate.root_pos + 1
-        return torch.stack(root_logits), draft_seconds
+        return torch.stack(root_logits)
 
     def _grow(self, runner, candidates: list[_Candidate], root_logits: torch.Tensor,
-              num_plain: int, draft_seconds: float, stats: GsdStats) -> VerificationTree:
+              num_plain: int, stats: GsdStats) -> VerificationTree:
         token_ids_cpu = runner.input_batch.token_ids_cpu
         batch_rows = np.asarray([c.batch_row for c in candidates], dtype=np.int64)
         root_pos = np.asarray([c.root_pos for c in candidates], dtype=np.int64)
@@ -310,14 +335,13 @@ class GsdProposer(DraftModelProposer):
         while (frontier := builder.frontier()) is not None:
             if frontier_logits is None:
                 if policy is not None and not self._next_level_pays(builder, frontier, len(candidates),
-                                                                    num_plain, draft_seconds, level):
+                                                                    num_plain, level):
                     break
                 frontier_logits = self._expand_level(runner, builder, frontier, batch_rows, root_pos, stats)
                 num_rows = int(frontier.request_index.numel())
                 stats.draft_tokens_computed += num_rows
                 stats.levels_drafted += 1
                 if policy is not None:
-                    draft_seconds += policy.draft_cost(num_rows)
                     policy.observe_forward(level, num_rows, len(candidates))
             probs = torch.softmax(frontier_logits.float(), dim=-1)
             top_probs, top_tokens = probs.topk(self.graph_params.top_k, dim=-1)
@@ -331,12 +355,12 @@ class GsdProposer(DraftModelProposer):
         if policy is not None:
             policy.finish_draft()
             selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
-                                      num_plain, draft_seconds)
+                                      num_plain, self._curve_seconds)
             tree = builder.build_tree(node_budget=selection.node_budget)
         return tree
 
     def _next_level_pays(self, builder: GraphBuilder, frontier, num_trees: int, num_plain: int,
-                         draft_seconds: float, level: int) -> bool:
+                         level: int) -> bool:
         graph = builder.graph()
         rows = np.arange(graph.path_prob.shape[1])
         drafted = (rows[None, :] >= 1) & (rows[None, :] <= graph.num_nodes[:, None])
@@ -344,7 +368,7 @@ class GsdProposer(DraftModelProposer):
         request, row = frontier.request_index.numpy(), frontier.node_row.numpy()
         frontier_gain = self.policy.acceptance.node_gain(graph.path_prob[request, row], graph.depth[request, row])
         return self.policy.continue_drafting(np.sort(gain)[::-1], frontier_gain, num_trees, num_plain,
-                                             draft_seconds, level)
+                                             self._curve_seconds, level)
 
     def _expand_level(self, runner, builder: GraphBuilder, frontier, batch_rows: np.ndarray,
                       root_pos: np.ndarray, stats: GsdStats) -> torch.Tensor:
@@ -428,6 +452,8 @@ class GsdProposer(DraftModelProposer):
         body_done = time.perf_counter()
         logits = self.model.compute_logits(hidden_states[torch.from_numpy(sample_index).to(device)])
         stats.draft_model_us += int((body_done - started) * 1e6)
+        if self.policy is not None:
+            self._curve_seconds += float(self.policy.draft_cost(num_tokens))
         stats.draft_logits_us += int((time.perf_counter() - body_done) * 1e6)
         return logits
 

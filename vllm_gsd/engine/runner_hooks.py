@@ -26,7 +26,7 @@ import torch
 from vllm_gsd.engine.config import is_gsd
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdMetrics
-from vllm_gsd.engine.tree_attention import TreeMask, set_graph_mask
+from vllm_gsd.engine.tree_attention import TreeMask, current_graph_mask, set_graph_mask
 from vllm_gsd.graph import ancestor_words_from_parents
 
 
@@ -97,8 +97,14 @@ def wrap_execute_model(original):
         try:
             return original(self, *args, **kwargs)
         finally:
+            verified_trees = current_graph_mask() is not None
             set_graph_mask(None)
-            self._gsd_metrics.add(target_forward_us=int((time.perf_counter() - started) * 1e6))
+            seconds = time.perf_counter() - started
+            self._gsd_metrics.add(target_forward_us=int(seconds * 1e6))
+            scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+            if hasattr(self, "drafter") and scheduler_output is not None:
+                self.drafter.record_target_forward(scheduler_output.total_num_scheduled_tokens,
+                                                   seconds, verified_trees)
 
     return execute_model
 

@@ -126,10 +126,11 @@ class AcceptanceModel:
 
 
 def best_rate(base_tokens: float, gains_desc: np.ndarray, fixed_seconds: float,
-              target_cost: CostCurve) -> tuple[int, float]:
+              target_cost) -> tuple[int, float]:
     """(k, rate) maximizing (base_tokens + sum of the first k gains) / (fixed + T_t(base + k)).
 
-    gains_desc: float [K], in the order nodes would be added (k = 0 allowed: verify nothing).
+    gains_desc: float [K], in the order nodes would be added (k = 0 allowed: verify nothing);
+    target_cost: seconds by query tokens (a CostCurve, or any function of an array).
     """
     k = np.arange(gains_desc.size + 1)
     tokens = base_tokens + np.concatenate([[0.0], np.cumsum(gains_desc)])
@@ -165,12 +166,18 @@ class NodeBudgetPolicy:
     node_budget: N, the most nodes per request; max_depth: the most draft levels.
     explore_every: after this many steps decided as plain decoding in a row, one is drafted, so
     the estimates behind the decision are refreshed (load falls, the draft may improve).
+
+    Measured curves time bare forwards; a real step also builds inputs, runs attention over the
+    context (the tree rows under the graph mask) and, for the draft, builds the graph. With
+    learn_scales, three scales learned from the steps' measured times (`observe_time`) carry that
+    over: plain target steps, target steps that verify trees, and draft steps. Curves a user
+    gave are taken as they are (learn_scales=False).
     """
 
     explore_every = 64
 
     def __init__(self, target_cost: CostCurve, draft_cost: CostCurve, node_budget: int,
-                 max_depth: int, smoothing: float = 0.1) -> None:
+                 max_depth: int, smoothing: float = 0.1, learn_scales: bool = False) -> None:
         self.target_cost, self.draft_cost = target_cost, draft_cost
         self.node_budget, self.max_depth = node_budget, max_depth
         self.acceptance = AcceptanceModel(max_depth)
@@ -185,6 +192,28 @@ class NodeBudgetPolicy:
         self._ran_this_step = np.zeros(max_depth, dtype=bool)
         self._top_child_prob = 0.8  # draft prob of a node's best child (for the next-level estimate)
         self._plain_streak = 0
+        self.scale = {"plain": 1.0, "tree": 1.0, "draft": 1.0}
+        self.learn_scales = learn_scales
+
+    # ---------------------------------------------------------------- costs of real steps
+
+    def plain_seconds(self, num_tokens):
+        """A target step without trees, by the target's curve and the learned scale."""
+        return self.scale["plain"] * self.target_cost(num_tokens)
+
+    def tree_seconds(self, num_tokens):
+        """A target step that verifies trees, by the target's curve and the learned scale."""
+        return self.scale["tree"] * self.target_cost(num_tokens)
+
+    def observe_time(self, kind: str, predicted_seconds: float, measured_seconds: float) -> None:
+        """Learn the scale of `kind` ("plain", "tree" or "draft") from one step: an exponential
+        average of measured / predicted in log space (one slow step among fast ones moves it
+        little), each ratio held to [0.1, 10]."""
+        if not self.learn_scales or predicted_seconds <= 0 or measured_seconds <= 0:
+            return
+        ratio = float(np.clip(measured_seconds / predicted_seconds, 0.1, 10.0))
+        a = self._smoothing
+        self.scale[kind] = float(np.exp((1 - a) * np.log(self.scale[kind]) + a * np.log(ratio)))
 
     # ---------------------------------------------------------------- before drafting
 
@@ -195,10 +224,10 @@ class NodeBudgetPolicy:
         if self._best_nodes_mass is None:
             return Decision(True, "nothing measured yet")
         r, base = num_tree_requests, num_tree_requests + num_other_tokens
-        plain_rate = base / self.target_cost(base)
-        draft_seconds = self.expected_draft_seconds(r)
+        plain_rate = base / self.plain_seconds(base)
+        draft_seconds = self.scale["draft"] * self.expected_draft_seconds(r)
         n = np.arange(self.node_budget + 1)
-        spec_rate = (base + r * self.gain_curve()) / (draft_seconds + self.target_cost(base + r * n))
+        spec_rate = (base + r * self.gain_curve()) / (draft_seconds + self.tree_seconds(base + r * n))
         best = int(np.argmax(spec_rate[1:])) + 1
         rates = f"{spec_rate[best]:.2f} tokens/s at {best} nodes per tree against {plain_rate:.2f} plain"
         if spec_rate[best] > plain_rate:
@@ -212,7 +241,8 @@ class NodeBudgetPolicy:
         return Decision(False, rates)
 
     def expected_draft_seconds(self, num_tree_requests: int) -> float:
-        """Draft forwards of a typical drafted step for this many tree requests, in seconds."""
+        """Draft forwards of a typical drafted step for this many tree requests, in seconds by
+        the draft's cost curve."""
         rows = np.maximum(1.0, num_tree_requests * self._level_rows)
         return float((self._level_runs * self.draft_cost(rows)).sum())
 
@@ -225,19 +255,20 @@ class NodeBudgetPolicy:
 
         node_gain_desc: float [K] gains of the nodes drafted so far, descending; frontier_gain:
         float [F] gains of the frontier nodes (the parents of the next level); draft_seconds:
-        the draft's cost so far (estimated from the cost curve).
+        the draft's cost so far by its cost curve.
         """
         if frontier_gain.size == 0 or level >= self.max_depth:
             return False
         base = num_tree_requests + num_other_tokens
-        _, rate_now = best_rate(base, node_gain_desc, draft_seconds, self.target_cost)
+        draft_scale = self.scale["draft"]
+        _, rate_now = best_rate(base, node_gain_desc, draft_scale * draft_seconds, self.tree_seconds)
         scale = self.acceptance.scale()
         depth_ratio = scale[min(level + 1, self.max_depth)] / max(scale[level], 1e-9)
         # The next level's best nodes: each frontier node's most likely child.
         next_gain = np.minimum(1.0, frontier_gain * self._top_child_prob * depth_ratio)
         merged = np.sort(np.concatenate([node_gain_desc, next_gain]))[::-1]
-        _, rate_next = best_rate(base, merged, draft_seconds + self.draft_cost(frontier_gain.size),
-                                 self.target_cost)
+        next_seconds = draft_scale * (draft_seconds + self.draft_cost(frontier_gain.size))
+        _, rate_next = best_rate(base, merged, next_seconds, self.tree_seconds)
         return rate_next > rate_now
 
     def observe_forward(self, level: int, num_rows: int, num_tree_requests: int) -> None:
@@ -270,8 +301,8 @@ class NodeBudgetPolicy:
         path_prob float [B, N], depth int [B, N] of each request's candidate tree rows (rows past
         num_nodes[b] are ignored). Request b verifies its node_budget[b] nodes of highest path
         probability (a set closed under ancestors: GraphBuilder.build_tree(node_budget) cuts the
-        tree to it); nodes join in one order across the batch,
-        by path probability, until the step's expected rate stops improving.
+        tree to it); nodes join in one order across the batch, by path probability, until the
+        step's expected rate stops improving. draft_seconds: what the draft spent, by its curve.
         """
         batch, width = path_prob.shape
         real = np.arange(width)[None, :] < num_nodes[:, None]
@@ -279,8 +310,8 @@ class NodeBudgetPolicy:
         key = np.where(real, path_prob, -1.0)
         order = np.argsort(-key, axis=None, kind="stable")[: int(real.sum())]
         request = order // width
-        k, rate = best_rate(batch + num_other_tokens, gain.reshape(-1)[order], draft_seconds,
-                            self.target_cost)
+        k, rate = best_rate(batch + num_other_tokens, gain.reshape(-1)[order],
+                            self.scale["draft"] * draft_seconds, self.tree_seconds)
         budget = np.bincount(request[:k], minlength=batch).astype(np.int64)
         self._remember_best_nodes(path_prob, depth, key)
         return Selection(budget, float(gain.reshape(-1)[order[:k]].sum()), rate)
