@@ -70,6 +70,8 @@ def test_gsd_knobs_are_taken(models):
         ({"leaf_prob": 1.0}, "gsd.leaf_prob"),
         ({"width": 3}, "gsd.width"),
         ({"adaptive": "sometimes"}, "gsd.adaptive"),
+        ({"top_k": True}, "gsd.top_k"),
+        ({"leaf_prob": False}, "gsd.leaf_prob"),
         ({"cost_curve": {"target": [[0, 0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),
         ({"cost_curve": {"target": [[1, -0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),
         ({"cost_curve": {"target": [[1, 0.1]]}}, "gsd.cost_curve.draft"),

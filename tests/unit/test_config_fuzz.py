@@ -30,7 +30,7 @@ from vllm_gsd.testing.tiny_models import config_only_model  # noqa: E402
 INT_KNOBS = {"top_k": (1, 16), "max_depth": (1, 32), "merge_ngram": (-1, 8)}
 FLOAT_KNOBS = {"min_child_ratio": (0.0, 1.0, True), "leaf_prob": (0.0, 1.0, False)}  # (lo, hi, hi allowed)
 UNKNOWN_KNOBS = ("width", "topk", "depth", "node_budget", "")
-VALID, INVALID, EITHER = "valid", "invalid", "either"  # EITHER: pydantic may coerce (True, "3", 3.0)
+VALID, INVALID, EITHER = "valid", "invalid", "either"  # EITHER: pydantic may coerce ("3", 3.0)
 
 garbage = st.one_of(
     st.integers(min_value=-10**30, max_value=10**30),
@@ -56,7 +56,9 @@ def build(models, spec):
 
 
 def _classify_int(value, lo: int, hi: int) -> str:
-    if isinstance(value, bool) or (isinstance(value, float) and value.is_integer()):
+    if isinstance(value, bool):
+        return INVALID  # refused by name: true is not the number 1
+    if isinstance(value, float) and value.is_integer():
         return EITHER
     if isinstance(value, int):
         return VALID if lo <= value <= hi else INVALID
@@ -69,7 +71,9 @@ def _classify_int(value, lo: int, hi: int) -> str:
 
 
 def _classify_float(value, lo: float, hi: float, hi_closed: bool) -> str:
-    if isinstance(value, bool) or isinstance(value, str):
+    if isinstance(value, bool):
+        return INVALID
+    if isinstance(value, str):
         return EITHER
     if isinstance(value, (int, float)):
         if math.isnan(value) or not lo <= value <= hi or (value == hi and not hi_closed):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig
@@ -90,6 +90,14 @@ class GsdConfig(BaseModel):
             raise ValueError(
                 f"the 'gsd' block must be a JSON object of graph knobs, got {type(value).__name__}"
             )
+        return value
+
+    @field_validator("top_k", "max_depth", "merge_ngram", "min_child_ratio", "leaf_prob", mode="before")
+    @classmethod
+    def _reject_booleans(cls, value: Any) -> Any:
+        # pydantic reads true as 1: a boolean where a number belongs is a mistake, not a value.
+        if isinstance(value, bool):
+            raise ValueError(f"must be a number, got {str(value).lower()}")
         return value
 
 

@@ -158,7 +158,10 @@ class GsdProposer(DraftModelProposer):
         req_ids = list(batch.req_ids[:batch.num_reqs])
         self._learn_step_times()
         self._observe_verified(req_ids, scheduler_output, valid_sampled_token_ids)
-        self.trees = {}
+        self._forget_finished(scheduler_output.finished_req_ids)
+        # A request left out of this step keeps its tree: the scheduler keeps its draft tokens.
+        in_batch = set(req_ids)
+        self.trees = {r: tree for r, tree in self.trees.items() if r not in in_batch}
         stats = GsdStats()
         drafts: list[list[int]] = [[] for _ in req_ids]
         candidates, num_plain = self._tree_candidates(runner, scheduler_output, req_ids,
@@ -234,13 +237,16 @@ class GsdProposer(DraftModelProposer):
         if accepted:
             self.policy.acceptance.observe(np.stack(predicted), np.asarray(accepted))
 
+    def _forget_finished(self, finished_req_ids) -> None:
+        for req_id in finished_req_ids:
+            self.trees.pop(req_id, None)
+            self._draft_known.pop(req_id, None)
+            self._refusals_logged.discard(req_id)
+
     def _tree_candidates(self, runner, scheduler_output, req_ids, valid_sampled_token_ids
                          ) -> tuple[list[_Candidate], int]:
         """The requests that grow a tree this step, and how many other requests decode."""
         batch = runner.input_batch
-        live = set(req_ids)
-        for req_id in [r for r in self._draft_known if r not in live]:
-            del self._draft_known[req_id]
         candidates, num_plain = [], 0
         for i, req_id in enumerate(req_ids):
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
