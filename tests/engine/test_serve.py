@@ -72,6 +72,24 @@ def test_streaming_and_metrics(gsd_server, tiny_models):
     assert "vllm:gsd_trees_verified" in metrics and "vllm:gsd_merges" in metrics
 
 
+def test_a_request_served_without_a_tree_is_logged_once_with_why(gsd_server, engines, tiny_models):
+    """Penalties are applied by vLLM's linear machinery: the request decodes plainly (the
+    target's own tokens) and the server log says so, once, naming the option."""
+    from vllm import SamplingParams
+
+    url, log_path = gsd_server
+    body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12,
+            "temperature": 0.0, "ignore_eos": True, "presence_penalty": 0.5}
+    replies = [requests.post(f"{url}/v1/completions", timeout=120, json=body) for _ in range(2)]
+    want = engines.get("target").generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.5),
+        use_tqdm=False)[0].outputs[0].text
+    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want]
+    lines = [line for line in log_path.read_text(errors="replace").splitlines()
+             if "is served without speculation (penalties)" in line]
+    assert len(lines) == 2, lines  # one per request, each once
+
+
 # ------------------------------------------------------------------------------------ load
 
 LOAD_REQUESTS = 320  # all sent at once: more than the server's 256 sequences, some wait
