@@ -20,6 +20,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -160,6 +161,23 @@ def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max
     return rows, outputs
 
 
+def _median_over_rounds(measured, reference, config: str, batch: int, rounds: int) -> Row:
+    """The round with the median tokens/s of (config, batch), its ratio to no speculation the
+    median of the per-round ratios; every round's figures in its notes."""
+    mine = [(r, row, out) for r, row, out in measured if row.config == config and row.batch == batch]
+    base = {r: row.tokens_per_s for r, row, _ in measured if row.config == "no_spec" and row.batch == batch}
+    ratios = [round(row.tokens_per_s / base[r], 2) for r, row, _ in mine]
+    by_speed = sorted(mine, key=lambda m: m[1].tokens_per_s)
+    row = by_speed[(len(by_speed) - 1) // 2][1]
+    row.ratio_to_no_spec = round(statistics.median(ratios), 2)
+    if config != "no_spec":
+        row.identical_to_no_spec = all(out == reference[batch] for _, _, out in mine)
+    if rounds > 1:
+        row.notes = (f"rounds: {', '.join(str(m[1].tokens_per_s) for m in mine)} tok/s; "
+                     f"x no-spec {', '.join(map(str, ratios))}")
+    return row
+
+
 def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(
@@ -194,6 +212,10 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
                      f"{fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
                      f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {fmt(r.merges)} | "
                      f"{fmt(r.draft_expansions_saved)} | {same} |")
+    noted = [r for r in rows if r.notes]
+    if noted:
+        lines += ["", "Per round (median shown above):", ""]
+        lines += [f"* {r.config}, batch {r.batch}: {r.notes}" for r in noted]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -229,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch1-prompts", type=int, default=8, help="prompts measured at batch 1")
     parser.add_argument("--depth", type=int, default=4, help="draft depth of gsd (draft_model K=depth compares)")
     parser.add_argument("--configs", default="", help="comma list; default all")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the configurations this many times in turn; report medians of paired ratios")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)
@@ -256,19 +280,20 @@ def main(argv: list[str] | None = None) -> int:
     if "no_spec" not in configs:
         configs = {"no_spec": None, **configs}
 
-    rows, reference = [], None
-    for name, spec in configs.items():
-        print(f"[bench] {name}", flush=True)
-        config_rows, outputs = run_config(pair, name, spec, batches, args.max_tokens, prompt_ids,
-                                          args.batch1_prompts)
-        if name == "no_spec":
-            reference = outputs
-        for row in config_rows:
-            base = next(r for r in rows + config_rows if r.config == "no_spec" and r.batch == row.batch)
-            row.ratio_to_no_spec = round(row.tokens_per_s / base.tokens_per_s, 2)
-            if name != "no_spec":
-                row.identical_to_no_spec = outputs[row.batch] == reference[row.batch]
-        rows += config_rows
+    # With --rounds R the configurations run R times in turn and each figure is the median over
+    # the rounds of a ratio to the same round's no speculation: this VM's speed drifts over
+    # minutes, and pairing by round cancels most of it.
+    measured, reference = [], None  # (round, row, outputs)
+    for round_index in range(args.rounds):
+        for name, spec in configs.items():
+            print(f"[bench] {name}" + (f" (round {round_index + 1})" if args.rounds > 1 else ""), flush=True)
+            config_rows, outputs = run_config(pair, name, spec, batches, args.max_tokens, prompt_ids,
+                                              args.batch1_prompts)
+            if name == "no_spec" and reference is None:
+                reference = outputs
+            measured += [(round_index, row, outputs[row.batch]) for row in config_rows]
+    rows = [_median_over_rounds(measured, reference, config, batch, args.rounds)
+            for config in configs for batch in batches]
 
     import vllm
 

@@ -105,6 +105,17 @@ def test_select_shrinks_to_the_likeliest_nodes_when_verification_is_expensive():
     assert selection.rate == pytest.approx(14.25)
 
 
+def test_an_exploring_step_verifies_each_trees_best_nodes_down_to_max_depth():
+    expensive = CostCurve((1, 2), (0.1, 10.0))  # no node pays for itself
+    policy = _policy(expensive, node_budget=4, max_depth=3)
+    path_prob = np.array([[0.95, 0.3, 0.9, 0.05], [0.4, 0.0, 0.0, 0.0]])
+    depth = np.array([[1, 1, 2, 2], [1, 0, 0, 0]])
+    num_nodes = np.array([4, 1])
+    assert policy.select(path_prob, depth, num_nodes, 0, 0.0).node_budget.tolist() == [0, 0]
+    # Exploring, without verified nodes nothing would refresh the acceptance estimates.
+    assert policy.select(path_prob, depth, num_nodes, 0, 0.0, explore=True).node_budget.tolist() == [3, 1]
+
+
 def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
     policy = _policy(CPU_LIKE, draft_cost=CostCurve((1, 8, 64, 512), (0.04, 0.045, 0.16, 1.1)),
                      node_budget=8, max_depth=4)
@@ -115,7 +126,8 @@ def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
         policy.observe_forward(level, rows, 1)
     policy.finish_draft()
     policy.select(path_prob, depth, np.array([8, 8]), num_other_tokens=0, draft_seconds=0.2)
-    assert policy.should_draft(num_tree_requests=1, num_other_tokens=0)
+    pays = policy.should_draft(num_tree_requests=1, num_other_tokens=0)
+    assert pays and pays.num_requests is None  # a step that pays drafts every tree request
     assert not policy.should_draft(num_tree_requests=256, num_other_tokens=0)
     assert not policy.should_draft(num_tree_requests=0, num_other_tokens=3)
 
@@ -123,9 +135,11 @@ def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
 def test_a_long_run_of_plain_steps_is_broken_by_one_drafted_step():
     policy = _policy(CostCurve((1, 2), (0.1, 0.2)), draft_cost=CostCurve((1,), (1.0,)), node_budget=4)
     policy.select(np.array([[0.5, 0.2, 0.1, 0.1]]), np.array([[1, 1, 2, 2]]), np.array([4]), 0, 1.0)
-    decisions = [bool(policy.should_draft(8, 0)) for _ in range(3 * policy.explore_every)]
-    assert sum(decisions) == 3
+    decisions = [policy.should_draft(8, 0) for _ in range(3 * policy.explore_every)]
+    assert sum(map(bool, decisions)) == 3
     assert decisions[policy.explore_every - 1] and not any(decisions[: policy.explore_every - 1])
+    # Exploring drafts a few trees (their catch-up is what the step costs), not the whole batch.
+    assert decisions[policy.explore_every - 1].num_requests == policy.explore_requests < 8
 
 
 def test_the_expected_draft_cost_counts_each_forward_as_often_as_it_runs():

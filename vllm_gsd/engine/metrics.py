@@ -24,6 +24,7 @@ processes through vLLM's multiprocess registry, so they appear on /metrics), log
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
@@ -101,7 +102,7 @@ class GsdMetrics:
             delta = getattr(self.stats, field.name) - getattr(self._exported, field.name)
             if delta:
                 counters[field.name].inc(delta)
-        self._exported = GsdStats(**asdict(self.stats))
+        self._exported = copy.copy(self.stats)  # flat ints: asdict's deep copy is 10x slower
 
     def _prometheus_counters(self):
         if self._counters is None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -146,7 +146,7 @@ class GsdProposer(DraftModelProposer):
     def _record(self, stats: GsdStats) -> None:
         """Add this step's drafting figures to the worker's GSD metrics."""
         if self.metrics is not None:
-            self.metrics.add(**asdict(stats))
+            self.metrics.add(**vars(stats))  # flat ints (asdict deep-copies: slow every step)
             self.metrics.step_done()
 
     # ------------------------------------------------------------------------------ public
@@ -177,10 +177,17 @@ class GsdProposer(DraftModelProposer):
                 stats.steps_not_speculated += 1
                 self._record(stats)
                 return drafts
+            if decision.num_requests is not None and decision.num_requests < len(candidates):
+                # The least behind: their catch-up is the shortest.
+                by_lag = sorted(candidates, key=lambda c: c.root_pos - c.catch_up_from)
+                drafting = {c.req_id for c in by_lag[:decision.num_requests]}
+                num_plain += len(candidates) - len(drafting)
+                candidates = [c for c in candidates if c.req_id in drafting]
 
         started, self._curve_seconds = time.perf_counter(), 0.0
         root_logits = self._catch_up(runner, candidates, stats)
-        tree = self._grow(runner, candidates, root_logits, num_plain, stats)
+        tree = self._grow(runner, candidates, root_logits, num_plain, stats,
+                          explore=self.policy is not None and decision.explore)
         num_nodes = tree.num_nodes.tolist()
         for b, candidate in enumerate(candidates):
             n = num_nodes[b]
@@ -324,7 +331,7 @@ class GsdProposer(DraftModelProposer):
         return torch.stack(root_logits)
 
     def _grow(self, runner, candidates: list[_Candidate], root_logits: torch.Tensor,
-              num_plain: int, stats: GsdStats) -> VerificationTree:
+              num_plain: int, stats: GsdStats, explore: bool = False) -> VerificationTree:
         token_ids_cpu = runner.input_batch.token_ids_cpu
         batch_rows = np.asarray([c.batch_row for c in candidates], dtype=np.int64)
         root_pos = np.asarray([c.root_pos for c in candidates], dtype=np.int64)
@@ -361,7 +368,7 @@ class GsdProposer(DraftModelProposer):
         if policy is not None:
             policy.finish_draft()
             selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
-                                      num_plain, self._curve_seconds)
+                                      num_plain, self._curve_seconds, explore=explore)
             tree = builder.build_tree(node_budget=selection.node_budget)
         return tree
 

@@ -124,10 +124,12 @@ class GsdRejectionSampler(RejectionSampler):
 
         if max_nodes > 0:
             self._fill_node_rows(row_target, logits, num_draft, row_start, sampling_metadata)
-
-        draft_token_ids, parent_row = self._tree_tensors(metadata, num_draft, max_nodes, device)
-        accepted = walk_tree(draft_token_ids, parent_row,
-                             torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
+            draft_token_ids, parent_row = self._tree_tensors(metadata, num_draft, max_nodes, device)
+            accepted = walk_tree(draft_token_ids, parent_row,
+                                 torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
+        else:  # a plain step (no trees): every request emits its root token
+            accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
+                                     torch.zeros(batch_size, dtype=torch.int64, device=device))
         self.last_accepted = accepted
         if self.metrics is not None and max_nodes > 0:
             self._count(num_draft, accepted)

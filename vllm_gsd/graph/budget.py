@@ -145,6 +145,12 @@ class Decision:
 
     draft: bool
     why: str
+    # An exploring step (drafted although it is not expected to pay, to refresh the estimates)
+    # drafts for num_requests of the tree requests: the draft must first catch up on every token
+    # of the plain streak, at high load the largest cost of the step, and a few trees refresh
+    # the estimates as well as many. None: all of them.
+    explore: bool = False
+    num_requests: int | None = None
 
     def __bool__(self) -> bool:
         return self.draft
@@ -165,7 +171,8 @@ class NodeBudgetPolicy:
     target_cost / draft_cost: CostCurve of one target / draft forward by query tokens.
     node_budget: N, the most nodes per request; max_depth: the most draft levels.
     explore_every: after this many steps decided as plain decoding in a row, one is drafted, so
-    the estimates behind the decision are refreshed (load falls, the draft may improve).
+    the estimates behind the decision are refreshed (load falls, the draft may improve); it
+    drafts for at most explore_requests requests.
 
     Measured curves time bare forwards; a real step also builds inputs, runs attention over the
     context (the tree rows under the graph mask) and, for the draft, builds the graph. With
@@ -175,6 +182,7 @@ class NodeBudgetPolicy:
     """
 
     explore_every = 64
+    explore_requests = 4
 
     def __init__(self, target_cost: CostCurve, draft_cost: CostCurve, node_budget: int,
                  max_depth: int, smoothing: float = 0.1, learn_scales: bool = False) -> None:
@@ -237,7 +245,9 @@ class NodeBudgetPolicy:
         self._plain_streak += 1
         if self._plain_streak >= self.explore_every:
             self._plain_streak = 0
-            return Decision(True, f"{rates}; drafting once to refresh the estimates")
+            explorers = min(r, self.explore_requests)
+            return Decision(True, f"{rates}; drafting {explorers} trees to refresh the estimates",
+                            explore=True, num_requests=explorers)
         return Decision(False, rates)
 
     def expected_draft_seconds(self, num_tree_requests: int) -> float:
@@ -295,7 +305,7 @@ class NodeBudgetPolicy:
     # ---------------------------------------------------------------- after drafting
 
     def select(self, path_prob: np.ndarray, depth: np.ndarray, num_nodes: np.ndarray,
-               num_other_tokens: int, draft_seconds: float) -> Selection:
+               num_other_tokens: int, draft_seconds: float, explore: bool = False) -> Selection:
         """Nodes to verify per request, from the candidate trees.
 
         path_prob float [B, N], depth int [B, N] of each request's candidate tree rows (rows past
@@ -303,6 +313,8 @@ class NodeBudgetPolicy:
         probability (a set closed under ancestors: GraphBuilder.build_tree(node_budget) cuts the
         tree to it); nodes join in one order across the batch, by path probability, until the
         step's expected rate stops improving. draft_seconds: what the draft spent, by its curve.
+        explore: the step explores (Decision.explore): every tree keeps at least its max_depth
+        best nodes, so that verifying them refreshes the acceptance estimates.
         """
         batch, width = path_prob.shape
         real = np.arange(width)[None, :] < num_nodes[:, None]
@@ -313,6 +325,8 @@ class NodeBudgetPolicy:
         k, rate = best_rate(batch + num_other_tokens, gain.reshape(-1)[order],
                             self.scale["draft"] * draft_seconds, self.tree_seconds)
         budget = np.bincount(request[:k], minlength=batch).astype(np.int64)
+        if explore:
+            budget = np.maximum(budget, np.minimum(num_nodes, self.max_depth)).astype(np.int64)
         self._remember_best_nodes(path_prob, depth, key)
         return Selection(budget, float(gain.reshape(-1)[order[:k]].sum()), rate)
 
