@@ -178,11 +178,10 @@ class GsdProposer(DraftModelProposer):
                 self._record(stats)
                 return drafts
             if decision.num_requests is not None and decision.num_requests < len(candidates):
-                # The least behind: their catch-up is the shortest.
-                by_lag = sorted(candidates, key=lambda c: c.root_pos - c.catch_up_from)
-                drafting = {c.req_id for c in by_lag[:decision.num_requests]}
-                num_plain += len(candidates) - len(drafting)
-                candidates = [c for c in candidates if c.req_id in drafting]
+                # The least behind: their catch-up is the shortest (then back in batch order).
+                least_behind = sorted(candidates, key=lambda c: c.root_pos - c.catch_up_from)
+                num_plain += len(candidates) - decision.num_requests
+                candidates = sorted(least_behind[:decision.num_requests], key=lambda c: c.batch_row)
 
         started, self._curve_seconds = time.perf_counter(), 0.0
         root_logits = self._catch_up(runner, candidates, stats)
@@ -374,7 +373,7 @@ class GsdProposer(DraftModelProposer):
 
     def _next_level_pays(self, builder: GraphBuilder, frontier, num_trees: int, num_plain: int,
                          level: int) -> bool:
-        graph = builder.graph()
+        graph = builder.graph(copy=False)  # read here, before the next level changes it
         rows = np.arange(graph.path_prob.shape[1])
         drafted = (rows[None, :] >= 1) & (rows[None, :] <= graph.num_nodes[:, None])
         gain = self.policy.acceptance.node_gain(graph.path_prob[drafted], graph.depth[drafted])

@@ -356,9 +356,10 @@ class GraphBuilder:
             return added
         return added.select(expandable.nonzero()[0] if expandable.any() else _EMPTY)
 
-    def graph(self) -> HypothesisGraph:
-        """A copy of the graph built so far."""
-        return self._snapshot(copy=True)
+    def graph(self, copy: bool = True) -> HypothesisGraph:
+        """The graph built so far: a copy, or (copy=False) views of the builder's arrays, valid
+        until the next expand(), for a reader that only looks."""
+        return self._snapshot(copy=copy)
 
     def build_tree(self, node_budget: torch.Tensor | np.ndarray | int | None = None) -> VerificationTree:
         """Unroll the graph into the flattened verification tree (see unroll.unroll_graph).
