@@ -1,16 +1,21 @@
 """CPU cost of one GSD step's graph work: drafting bookkeeping (all levels, including the draft
-ancestor words the engine reads each level) + build_tree + acceptance (walk_tree on the target's
-tokens), on synthetic draft top-k (random softmaxes). The draft/target forwards are not timed,
-nor is the target's argmax over its logits (vLLM's sampler computes it; reported apart).
+ancestor words the engine reads for each draft forward) + build_tree + acceptance (walk_tree on
+the target's tokens), on synthetic draft top-k (random softmaxes). The draft/target forwards are
+not timed, nor is the target's argmax over its logits (vLLM's sampler computes it; reported apart).
 
     python scripts/bench_graph.py [--batch 64] [--budget 64] [--top-k 4] [--max-depth 6]
+    python scripts/bench_graph.py --repeats 5 --out docs/bench/graph.md   # the committed result
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -30,11 +35,14 @@ def synthetic_inputs(params: GraphParams, batch: int, vocab: int, seed: int):
 
 
 def draft_levels(params, top_ids, top_probs, roots, history):
-    """The builder driven as the engine drives it (frontier, draft words, expand per level)."""
+    """The builder driven as the engine drives it: per level the frontier, the draft ancestor
+    words (for the draft forward, which levels >= 1 take: level 0's top-k comes from the target's
+    own logits at the root) and expand."""
     builder = GraphBuilder(params, roots, history)
     level = 0
     while (frontier := builder.frontier()) is not None:
-        builder.draft_ancestor_words  # the engine hands these to the draft forward
+        if level:
+            builder.draft_ancestor_words  # the engine hands these to the draft forward
         count = frontier.request_index.numel()
         builder.expand(top_ids[level, :count], top_probs[level, :count])
         level += 1
@@ -48,6 +56,26 @@ def one_step(params, top_ids, top_probs, roots, history, target_logits):
     return tree, level
 
 
+def measure(params, inputs, target, runs: int) -> dict[str, list[float]]:
+    """CPU seconds of `runs` steps: the total, each phase, and (apart) the target argmax."""
+    top_ids, top_probs, roots, history, logits = inputs
+    times = {"step": [], "draft levels": [], "build_tree": [], "walk_tree": [], "argmax": [], "wall": []}
+    for _ in range(runs):
+        c0, w0 = time.process_time(), time.perf_counter()
+        builder, _ = draft_levels(params, top_ids, top_probs, roots, history)
+        c1 = time.process_time()
+        tree = builder.build_tree()
+        c2 = time.process_time()
+        walk_tree(tree.draft_token_ids, tree.parent_row, tree.num_nodes, target)
+        c3, w3 = time.process_time(), time.perf_counter()
+        logits.argmax(-1)
+        times["argmax"].append(time.process_time() - c3)
+        for name, seconds in (("step", c3 - c0), ("draft levels", c1 - c0), ("build_tree", c2 - c1),
+                              ("walk_tree", c3 - c2), ("wall", w3 - w0)):
+            times[name].append(seconds)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=64)
@@ -58,44 +86,43 @@ def main() -> None:
     parser.add_argument("--min-child-ratio", type=float, default=0.0)
     parser.add_argument("--leaf-prob", type=float, default=0.0)
     parser.add_argument("--vocab", type=int, default=32, help="small vocab so merges happen")
-    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=200, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="repeat the timed loop (a shared VM drifts; each repeat's median is shown)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = GraphParams(node_budget=args.budget, top_k=args.top_k, max_depth=args.max_depth,
                          merge_ngram=args.merge_ngram, min_child_ratio=args.min_child_ratio,
                          leaf_prob=args.leaf_prob)
-    top_ids, top_probs, roots, history, logits = synthetic_inputs(params, args.batch, args.vocab, 0)
-    target = logits.argmax(-1)  # the target's greedy tokens per row (the sampler's work)
+    inputs = synthetic_inputs(params, args.batch, args.vocab, 0)
+    target = inputs[-1].argmax(-1)  # the target's greedy tokens per row (the sampler's work)
     for _ in range(10):
-        one_step(params, top_ids, top_probs, roots, history, logits)
-    phases = {"draft levels": [], "build_tree": [], "walk_tree": []}
-    cpu, wall, argmax = [], [], []
-    for _ in range(args.runs):
-        c0, w0 = time.process_time(), time.perf_counter()
-        builder, level = draft_levels(params, top_ids, top_probs, roots, history)
-        c1 = time.process_time()
-        tree = builder.build_tree()
-        c2 = time.process_time()
-        walk_tree(tree.draft_token_ids, tree.parent_row, tree.num_nodes, target)
-        c3, w3 = time.process_time(), time.perf_counter()
-        logits.argmax(-1)
-        argmax.append(time.process_time() - c3)
-        cpu.append(c3 - c0)
-        wall.append(w3 - w0)
-        for name, seconds in zip(phases, (c1 - c0, c2 - c1, c3 - c2)):
-            phases[name].append(seconds)
-    print(f"B={args.batch} N={args.budget} top_k={args.top_k} max_depth={args.max_depth} "
-          f"merge_ngram={args.merge_ngram} vocab={args.vocab} threads={args.threads}")
-    print(f"levels={level} graph nodes/request={tree.num_graph_nodes.float().mean():.1f} "
-          f"tree nodes/request={tree.num_nodes.float().mean():.1f} "
-          f"merges/request={tree.num_merges.float().mean():.2f}")
-    print(f"per step: CPU (process_time) median {statistics.median(cpu) * 1e3:.3f} ms "
-          f"(min {min(cpu) * 1e3:.3f}), wall median {statistics.median(wall) * 1e3:.3f} ms")
-    for name, values in phases.items():
-        print(f"  {name:>12}: CPU median {statistics.median(values) * 1e3:.3f} ms (min {min(values) * 1e3:.3f})")
-    print(f"  not counted: target argmax over [B, N+1, V] logits: CPU median "
-          f"{statistics.median(argmax) * 1e3:.3f} ms")
+        tree, level = one_step(params, *inputs)
+    repeats = [measure(params, inputs, target, args.runs) for _ in range(args.repeats)]
+    every = {name: [s for times in repeats for s in times[name]] for name in repeats[0]}
+    ms = lambda values: statistics.median(values) * 1e3  # noqa: E731
+    lines = [
+        f"B={args.batch} N={args.budget} top_k={args.top_k} max_depth={args.max_depth} "
+        f"merge_ngram={args.merge_ngram} vocab={args.vocab} threads={args.threads}, "
+        f"{args.repeats} x {args.runs} steps",
+        f"levels={level} graph nodes/request={tree.num_graph_nodes.float().mean():.1f} "
+        f"tree nodes/request={tree.num_nodes.float().mean():.1f} "
+        f"merges/request={tree.num_merges.float().mean():.2f}",
+        f"per step: CPU (process_time) median {ms(every['step']):.3f} ms "
+        f"(min {min(every['step']) * 1e3:.3f}), wall median {ms(every['wall']):.3f} ms",
+    ]
+    if args.repeats > 1:
+        lines.append("  median of each repeat: " + ", ".join(f"{ms(times['step']):.3f}" for times in repeats) + " ms")
+    for name in ("draft levels", "build_tree", "walk_tree"):
+        lines.append(f"  {name:>12}: CPU median {ms(every[name]):.3f} ms (min {min(every[name]) * 1e3:.3f})")
+    lines.append(f"  not counted: target argmax over [B, N+1, V] logits: CPU median {ms(every['argmax']):.3f} ms")
+    print("\n".join(lines))
+    if args.out is not None:
+        command = "python scripts/bench_graph.py " + " ".join(sys.argv[1:])
+        args.out.write_text(f"# Graph core CPU cost\n\n`{command}` on {platform.machine()}, {os.cpu_count()} cores, "
+                            f"{time.strftime('%Y-%m-%d %H:%M')}\n\n```\n" + "\n".join(lines) + "\n```\n")
 
 
 if __name__ == "__main__":

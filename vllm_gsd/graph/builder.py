@@ -124,6 +124,7 @@ class _Proposals:
     parent: np.ndarray  # int64 [F], the frontier rows (graph rows)
     parent_node: np.ndarray  # int64 [F], their flat node ids
     width: int  # k
+    cand_request: np.ndarray  # int64 [F * k], each candidate's request
     token: np.ndarray  # int64 [F * k]
     prob: np.ndarray  # float64 [F * k], draft prob at the parent
     path_prob: np.ndarray  # float64 [F * k]
@@ -133,7 +134,15 @@ class _Proposals:
     slot: np.ndarray | None = None  # int64 [F * k], hash-set slot of the key (merging only)
 
     def frontier_index(self, candidate: np.ndarray) -> np.ndarray:
+        if self.width & (self.width - 1) == 0:  # a shift: numpy's int64 division is not vectorized
+            return candidate >> (self.width.bit_length() - 1)
         return candidate // self.width
+
+    def rank(self, candidate: np.ndarray, frontier_index: np.ndarray) -> np.ndarray:
+        """The top-k column of each candidate (its frontier_index given)."""
+        if self.width & (self.width - 1) == 0:
+            return candidate & (self.width - 1)
+        return candidate - frontier_index * self.width
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -155,6 +164,15 @@ def _reach_bits(budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for array in (word, shift, own):
         array.flags.writeable = False
     return word, shift, own
+
+
+@lru_cache(maxsize=64)
+def _own_words_of_batch(batch: int, num_rows: int) -> np.ndarray:
+    """int32 [batch * num_rows, W]: own_bit_words_numpy(num_rows) for each request (cached,
+    read-only: copy to modify)."""
+    words = np.tile(own_bit_words_numpy(num_rows), (batch, 1))
+    words.flags.writeable = False
+    return words
 
 
 def _ngram_key(prefix: np.ndarray, last: np.ndarray) -> np.ndarray:
@@ -210,11 +228,10 @@ class GraphBuilder:
         self._out_prob = np.zeros(batch * num_rows * params.top_k, dtype=np.float64)
         self._out_pseudo = np.zeros(batch * num_rows * params.top_k, dtype=bool)
         self._has_children = np.zeros(batch * num_rows, dtype=bool)
-        # Primary-tree ancestor words, flat [B * (N+1) * W]; padding rows keep only their own
+        # Primary-tree ancestor words, [B * (N+1), W]; padding rows keep only their own
         # bit (contracts.md). New nodes are queued and OR-ed in when the words are read.
-        own = own_bit_words_numpy(num_rows)
-        self._num_words = own.shape[1]
-        self._draft_words = np.tile(own.reshape(-1), batch)
+        self._draft_words = _own_words_of_batch(batch, num_rows).copy()  # [B * (N+1), W]
+        self._num_words = self._draft_words.shape[1]
         self._pending_words: list[tuple[np.ndarray, np.ndarray]] = []
         if params.merging:
             self._init_merge_state(roots, history_token_ids)
@@ -274,18 +291,9 @@ class GraphBuilder:
         builder keeps writing its own array, and the engine may still be copying this one)."""
         words = self._draft_words
         for node, parent_node in self._pending_words:  # level order: parents are final
-            at, above = self._word_index(node), self._word_index(parent_node)
-            words[at] = words[at] | words[above]
+            words[node] |= words[parent_node]  # nodes are distinct: no buffering needed
         self._pending_words.clear()
         return torch.from_numpy(words.reshape(self._batch, self._num_rows, self._num_words).copy())
-
-    def _word_index(self, node: np.ndarray) -> np.ndarray:
-        """Flat indices of the ancestor words of flat nodes, [nodes * W]."""
-        index = np.empty((node.size, self._num_words), dtype=np.int64)
-        first = node * self._num_words
-        for word in range(self._num_words):
-            index[:, word] = first + word
-        return index.reshape(-1)
 
     @property
     def num_graph_nodes(self) -> torch.Tensor:
@@ -332,7 +340,7 @@ class GraphBuilder:
         """Step 4: (kept, count): the leaders among `fresh` (indices into it, ascending) that
         fit their request's remaining budget, best path prob first (ties: creation order), and
         how many per request."""
-        fresh_request = proposals.request[proposals.frontier_index(fresh)]
+        fresh_request = proposals.cand_request[fresh]
         kept = np.arange(fresh.size)
         if followers is not None:
             is_leader = np.ones(fresh.size, dtype=bool)
@@ -415,8 +423,8 @@ class GraphBuilder:
             expandable = np.zeros(probs.size, dtype=bool)
         elif params.leaf_prob > 0:
             expandable = (probs >= params.leaf_prob).reshape(-1)
-        proposals = _Proposals(request, parent, parent_node, width, tokens.reshape(-1), probs.reshape(-1),
-                               path_prob, valid.reshape(-1), expandable)
+        proposals = _Proposals(request, parent, parent_node, width, np.repeat(request, width), tokens.reshape(-1),
+                               probs.reshape(-1), path_prob, valid.reshape(-1), expandable)
         if params.merging:
             if params.merge_ngram == 0:
                 key = proposals.token + 1
@@ -429,7 +437,7 @@ class GraphBuilder:
             slot = key.view(np.uint64) * _GOLDEN
             slot >>= np.uint64(64 - self._slot_bits)
             slot = slot.view(np.int64)
-            slot += np.repeat(request << self._slot_bits, width)
+            slot += proposals.cand_request << self._slot_bits
             proposals.slot = slot
         return proposals
 
@@ -451,7 +459,7 @@ class GraphBuilder:
         if maybe.size == 0:
             return _EMPTY, _EMPTY
         maybe_pos = proposals.frontier_index(maybe)
-        maybe_request = proposals.request[maybe_pos]
+        maybe_request = proposals.cand_request[maybe]
         # Keys of the root and padding rows are 0, which no candidate has.
         same = np.take(self._key.reshape(self._batch, num_rows), maybe_request, axis=0) == proposals.key[maybe][:, None]
         pair_cand, pair_m = np.divmod(same.reshape(-1).nonzero()[0], num_rows)  # by candidate, then row
@@ -566,7 +574,7 @@ class GraphBuilder:
             word[new_node] = word[new_parent_node] | own[added.row]
         if follower.size:
             src = proposals.parent_node[proposals.frontier_index(follower)]
-            dst = proposals.request[proposals.frontier_index(follower)] * num_rows + follower_dst
+            dst = proposals.cand_request[follower] * num_rows + follower_dst
             for word in self._reach:
                 np.bitwise_or.at(word, dst, word[src])
         self._key[new_node] = proposals.key[new]
@@ -587,7 +595,7 @@ class GraphBuilder:
         if edge.size == 0:
             return
         pos = proposals.frontier_index(edge)
-        request, src = proposals.request[pos], proposals.parent[pos]
+        request, src = proposals.cand_request[edge], proposals.parent[pos]
         reach = self._reach.reshape(self._reach.shape[0], self._batch, self._num_rows)  # [words, B, N+1]
         dst_word, dst_shift = self._bit_word[dst - 1], self._bit_shift[dst - 1][:, None]
         src_reach = reach[:, request, src]  # [words, E]: the nodes reaching src
@@ -607,10 +615,10 @@ class GraphBuilder:
         continue each request's numbering in creation order, and all of this level's nodes have
         depth = level. Returns them as a front."""
         pos = proposals.frontier_index(new)
-        request = proposals.request[pos]
+        request = proposals.cand_request[new]
         row = (self._num_nodes + 1 - (count.cumsum() - count))[request] + np.arange(new.size)
         added = _Front(request, row, request * self._num_rows + row, proposals.token[new], proposals.path_prob[new])
-        rank = new - pos * proposals.width
+        rank = proposals.rank(new, pos)
         prob = proposals.prob[new]
         node, parent_node = added.node, proposals.parent_node[pos]
         self._token.reshape(-1)[node] = added.token
@@ -632,7 +640,7 @@ class GraphBuilder:
         if edge.size == 0:
             return
         pos = proposals.frontier_index(edge)
-        request, rank, prob = proposals.request[pos], edge - pos * proposals.width, proposals.prob[edge]
+        request, rank, prob = proposals.cand_request[edge], proposals.rank(edge, pos), proposals.prob[edge]
         self._pseudo.append((request, proposals.parent[pos], dst, prob, rank))
         slot = proposals.parent_node[pos] * self.params.top_k + rank
         self._out_node[slot] = request * self._num_rows + dst

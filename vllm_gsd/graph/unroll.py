@@ -150,26 +150,44 @@ def _graph_nodes_then_copies(graph: HypothesisGraph, bound: np.ndarray) -> tuple
     leaves the primary tree through a pseudo edge P -> M, which hangs M under P's own tree
     node; those seeds grow through every out-edge."""
     batch, num_rows = graph.token_ids.shape
-    node = (graph.parent_row >= 0).reshape(-1).nonzero()[0]  # by request, then row = creation order
-    request = node // num_rows
-    id_of_node = np.empty(batch * num_rows, dtype=np.int64)
-    id_of_node[np.arange(batch) * num_rows] = np.arange(batch)
-    id_of_node[node] = batch + np.arange(node.size)
-    primary = _Nodes(request, node, graph.path_prob.reshape(-1)[node],
-                     id_of_node[request * num_rows + graph.parent_row.reshape(-1)[node]], np.zeros(node.size, bool),
-                     graph.child_rank.reshape(-1)[node], graph.depth.reshape(-1)[node])
-    blocks = [_roots(batch, num_rows), primary]
-    ordered_below = batch + node.size
+    if (graph.num_nodes == num_rows - 1).all():
+        # Every row is a node: ids are the flat graph nodes themselves (root first in each request).
+        blocks, id_of_node = [_every_row(graph)], None
+    else:
+        node = (graph.parent_row >= 0).reshape(-1).nonzero()[0]  # by request, then row = creation order
+        request = node // num_rows
+        id_of_node = np.empty(batch * num_rows, dtype=np.int64)
+        id_of_node[np.arange(batch) * num_rows] = np.arange(batch)
+        id_of_node[node] = batch + np.arange(node.size)
+        primary = _Nodes(request, node, graph.path_prob.reshape(-1)[node],
+                         id_of_node[request * num_rows + graph.parent_row.reshape(-1)[node]],
+                         np.zeros(node.size, bool), graph.child_rank.reshape(-1)[node], graph.depth.reshape(-1)[node])
+        blocks = [_roots(batch, num_rows), primary]
+    ordered_below = sum(block.node.size for block in blocks)
     src = graph.pseudo_request * num_rows + graph.pseudo_src
     seed_pp = graph.path_prob.reshape(-1)[src] * graph.pseudo_prob
     seed = (seed_pp >= bound[graph.pseudo_request]).nonzero()[0]
     if seed.size:
         src = src[seed]
         blocks.append(_Nodes(graph.pseudo_request[seed], graph.pseudo_request[seed] * num_rows + graph.pseudo_dst[seed],
-                             seed_pp[seed], id_of_node[src], np.ones(seed.size, bool), graph.pseudo_rank[seed],
+                             seed_pp[seed], src if id_of_node is None else id_of_node[src], np.ones(seed.size, bool),
+                             graph.pseudo_rank[seed],
                              graph.depth.reshape(-1)[src] + 1))
         _grow(blocks, graph, bound, ordered_below + np.arange(seed.size), blocks[-1])
     return _concatenate(blocks), ordered_below
+
+
+def _every_row(graph: HypothesisGraph) -> _Nodes:
+    """The tree nodes of a graph whose rows are all nodes (num_nodes = N everywhere), id = flat
+    node b * (N+1) + row: the graph's own arrays, no gathers."""
+    batch, num_rows = graph.token_ids.shape
+    node = np.arange(batch * num_rows)
+    path_prob = graph.path_prob.reshape(-1).copy()
+    path_prob[::num_rows] = np.inf  # roots lead every ordering
+    parent_id = graph.parent_row + node.reshape(batch, num_rows)[:, :1]  # the root's -1 is overwritten
+    parent_id[:, 0] = -1
+    return _Nodes(node // num_rows, node, path_prob, parent_id.reshape(-1), np.zeros(node.size, bool),
+                  graph.child_rank.reshape(-1), graph.depth.reshape(-1))
 
 
 def _in_creation_order(graph: HypothesisGraph, bound: np.ndarray) -> _Nodes:
