@@ -104,7 +104,8 @@ class HypothesisGraph:
 
 @dataclass
 class _Front:
-    """The nodes to expand next, sorted by (request, row), with what their children need."""
+    """The nodes to expand next, sorted by (request, row), with what their children need.
+    Its arrays are fresh and never written afterwards (frontier() hands them out as they are)."""
 
     request: np.ndarray  # int64 [F]
     row: np.ndarray  # int64 [F], graph row within the request
@@ -232,6 +233,8 @@ class GraphBuilder:
         # bit (contracts.md). New nodes are queued and OR-ed in when the words are read.
         self._draft_words = _own_words_of_batch(batch, num_rows).copy()  # [B * (N+1), W]
         self._num_words = self._draft_words.shape[1]
+        # The same memory, one opaque element per node: numpy moves whole rows fast this way.
+        self._draft_word_rows = self._draft_words.view(np.dtype((np.void, 4 * self._num_words))).reshape(-1)
         self._pending_words: list[tuple[np.ndarray, np.ndarray]] = []
         if params.merging:
             self._init_merge_state(roots, history_token_ids)
@@ -278,22 +281,22 @@ class GraphBuilder:
         front = self._front
         if front.request.size == 0 or self._levels_expanded >= self.params.max_depth:
             return None
-        return Frontier(  # copies: the engine may keep them while the builder goes on
-            request_index=torch.from_numpy(front.request.copy()),
-            node_row=torch.from_numpy(front.row.copy()),
+        return Frontier(  # no copies: a front's arrays are never written once it is made
+            request_index=torch.from_numpy(front.request),
+            node_row=torch.from_numpy(front.row),
             depth=torch.from_numpy(np.full(front.request.size, self._levels_expanded, dtype=np.int64)),
-            token_ids=torch.from_numpy(front.token.copy()),
+            token_ids=torch.from_numpy(front.token),
         )
 
     @property
     def draft_ancestor_words(self) -> torch.Tensor:
         """int32 [B, N + 1, W]: primary-tree ancestor bitmask over graph rows (a copy: the
         builder keeps writing its own array, and the engine may still be copying this one)."""
-        words = self._draft_words
+        rows = self._draft_word_rows
         for node, parent_node in self._pending_words:  # level order: parents are final
-            words[node] |= words[parent_node]  # nodes are distinct: no buffering needed
+            rows[node] = (rows[node].view(np.int32) | rows[parent_node].view(np.int32)).view(rows.dtype)
         self._pending_words.clear()
-        return torch.from_numpy(words.reshape(self._batch, self._num_rows, self._num_words).copy())
+        return torch.from_numpy(self._draft_words.reshape(self._batch, self._num_rows, self._num_words).copy())
 
     @property
     def num_graph_nodes(self) -> torch.Tensor:
@@ -415,21 +418,21 @@ class GraphBuilder:
                     for earlier in range(later):
                         valid[:, later] &= tokens[:, later] != tokens[:, earlier]
         parent_node = front.node
-        # Per-row values spread to the row's k candidates (np.repeat beats [F, 1] broadcasting).
-        path_prob = np.repeat(front.path_prob, width)
+        # Per-row values spread to the row's k candidates (repeat beats [F, 1] broadcasting).
+        path_prob = front.path_prob.repeat(width)
         path_prob *= probs.reshape(-1)
         expandable = None
         if self._levels_expanded >= params.max_depth:
             expandable = np.zeros(probs.size, dtype=bool)
         elif params.leaf_prob > 0:
             expandable = (probs >= params.leaf_prob).reshape(-1)
-        proposals = _Proposals(request, parent, parent_node, width, np.repeat(request, width), tokens.reshape(-1),
+        proposals = _Proposals(request, parent, parent_node, width, request.repeat(width), tokens.reshape(-1),
                                probs.reshape(-1), path_prob, valid.reshape(-1), expandable)
         if params.merging:
             if params.merge_ngram == 0:
                 key = proposals.token + 1
             elif params.merge_ngram == 1:
-                key = np.repeat(((front.token + 1) << 32) + 1, width)  # + (token + 1): the low 32 bits
+                key = (((front.token + 1) << 32) + 1).repeat(width)  # + (token + 1): the low 32 bits
                 key += proposals.token
             else:
                 key = _ngram_key(self._context[parent_node, None, :], tokens).reshape(-1)
@@ -488,12 +491,20 @@ class GraphBuilder:
         # row, among the parents P with a pair left, that m reaches. (With one such parent per
         # request it allows everything: m does not reach its own P.)
         if ((pair_request[1:] == pair_request[:-1]) & (pair_pos[1:] != pair_pos[:-1])).any():
+            # Pair i against every pair j of its request (pairs come grouped by request): is
+            # P_j reachable from M_i, and what is the lowest such row.
             parent_row = proposals.parent[pair_pos]
-            reaches = (reach[self._bit_word * nodes + parent_node[:, None]] >> self._bit_shift) & np.uint64(1)
-            request_start, request_of = runs_of_equal(pair_request)  # pairs come grouped by request
-            lowest_source_row = np.minimum.reduceat(np.where(reaches == 1, parent_row[:, None], _NO_ROW),
-                                                    request_start, axis=0)  # [requests, N]
-            allowed = lowest_source_row[request_of, pair_m - 1] > parent_row
+            request_start, request_of = runs_of_equal(pair_request)
+            request_count = np.bincount(request_of)
+            count = request_count[request_of]
+            start = count.cumsum() - count
+            i = np.arange(pair_request.size).repeat(count)
+            j = request_start[request_of].repeat(count) + (np.arange(i.size) - start.repeat(count))
+            bit = pair_m[i] - 1
+            word = reach[parent_node[j]] if self._reach.shape[0] == 1 else reach[self._bit_word[bit] * nodes + parent_node[j]]
+            m_reaches_p = (word >> self._bit_shift[bit]) & np.uint64(1) == 1
+            lowest_source_row = np.minimum.reduceat(np.where(m_reaches_p, parent_row[j], _NO_ROW), start)
+            allowed = lowest_source_row > parent_row
             pair_cand, pair_m, pair_request = pair_cand[allowed], pair_m[allowed], pair_request[allowed]
             if pair_cand.size == 0:
                 return _EMPTY, _EMPTY
@@ -658,14 +669,15 @@ class GraphBuilder:
             pseudo = [np.concatenate(column) for column in zip(*self._pseudo)]
         else:
             pseudo = [_EMPTY] * 3 + [np.zeros(0, np.float64), _EMPTY]
-        own = (lambda array: array.copy()) if copy else (lambda array: array)
-        return HypothesisGraph(
-            token_ids=own(self._token), parent_row=own(self._parent), depth=own(self._depth),
-            edge_prob=own(self._edge_prob), path_prob=own(self._path_prob),
-            child_rank=own(self._child_rank), num_nodes=own(self._num_nodes),
+        graph = HypothesisGraph(
+            token_ids=self._token, parent_row=self._parent, depth=self._depth, edge_prob=self._edge_prob,
+            path_prob=self._path_prob, child_rank=self._child_rank, num_nodes=self._num_nodes,
             pseudo_request=pseudo[0], pseudo_src=pseudo[1], pseudo_dst=pseudo[2],
             pseudo_prob=pseudo[3], pseudo_rank=pseudo[4],
-            num_merges=own(self._num_merges), expansions_saved=own(self._expansions_saved),
-            out_node=own(self._out_node), out_prob=own(self._out_prob), out_pseudo=own(self._out_pseudo),
-            has_children=own(self._has_children),
+            num_merges=self._num_merges, expansions_saved=self._expansions_saved,
+            out_node=self._out_node, out_prob=self._out_prob, out_pseudo=self._out_pseudo,
+            has_children=self._has_children,
         )
+        if not copy:
+            return graph
+        return HypothesisGraph(**{name: value.copy() for name, value in vars(graph).items()})

@@ -17,6 +17,7 @@ few; the graph's nodes need no growing at all.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -89,6 +90,7 @@ def _roots(batch: int, num_rows: int) -> _Nodes:
 
 
 def _concatenate(blocks: list[_Nodes]) -> _Nodes:
+    blocks = [block for block in blocks if block.node.size] or blocks[:1]
     return _Nodes(*(np.concatenate(column) for column in zip(*blocks)))
 
 
@@ -136,7 +138,10 @@ def _primary_bound(graph: HypothesisGraph, budget: np.ndarray) -> np.ndarray:
     budget[b]-th best of them is such a bound; else -inf (and +inf when the budget is 0)."""
     batch = graph.path_prob.shape[0]
     if (budget >= graph.num_nodes).all():  # the bound is the least likely node of a graph this big
-        least = np.where(graph.parent_row >= 0, graph.path_prob, np.inf).min(axis=1)
+        if (graph.num_nodes == graph.path_prob.shape[1] - 1).all():  # every row is a node
+            least = graph.path_prob[:, 1:].min(axis=1)
+        else:
+            least = np.where(graph.parent_row >= 0, graph.path_prob, np.inf).min(axis=1)
         bound = np.where(budget == graph.num_nodes, least, -np.inf)
     else:
         drafted = np.where(graph.parent_row >= 0, graph.path_prob, -np.inf)
@@ -181,13 +186,23 @@ def _every_row(graph: HypothesisGraph) -> _Nodes:
     """The tree nodes of a graph whose rows are all nodes (num_nodes = N everywhere), id = flat
     node b * (N+1) + row: the graph's own arrays, no gathers."""
     batch, num_rows = graph.token_ids.shape
-    node = np.arange(batch * num_rows)
+    request, node, not_via = _every_row_ids(batch, num_rows)
     path_prob = graph.path_prob.reshape(-1).copy()
     path_prob[::num_rows] = np.inf  # roots lead every ordering
     parent_id = graph.parent_row + node.reshape(batch, num_rows)[:, :1]  # the root's -1 is overwritten
     parent_id[:, 0] = -1
-    return _Nodes(node // num_rows, node, path_prob, parent_id.reshape(-1), np.zeros(node.size, bool),
-                  graph.child_rank.reshape(-1), graph.depth.reshape(-1))
+    return _Nodes(request, node, path_prob, parent_id.reshape(-1), not_via, graph.child_rank.reshape(-1),
+                  graph.depth.reshape(-1))
+
+
+@lru_cache(maxsize=64)
+def _every_row_ids(batch: int, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(request, flat node, False) of every row b * num_rows + r, cached read-only."""
+    node = np.arange(batch * num_rows)
+    arrays = (node // num_rows, node, np.zeros(node.size, bool))
+    for array in arrays:
+        array.flags.writeable = False
+    return arrays
 
 
 def _in_creation_order(graph: HypothesisGraph, bound: np.ndarray) -> _Nodes:
