@@ -108,19 +108,20 @@ def _walk_tree_numpy(draft_token_ids, parent_row, num_nodes, row_target_token):
     np.minimum.at(next_row, matched_request * (budget + 2) + parent_row.reshape(-1)[matched], matched_node + 1)
 
     base = np.arange(0, batch * (budget + 2), budget + 2)
-    path = np.full((batch, budget + 1), -1, dtype=np.int64)
+    path = np.full((batch, budget + 1), stop, dtype=np.int64)  # a stopped walk stays at `stop`
     path[:, 0] = 0
-    current = np.zeros(batch, dtype=np.int64)
-    num_accepted = np.zeros(batch, dtype=np.int64)
+    current = path[:, 0]
     for step in range(1, budget + 1):
-        current = next_row[base + current]
-        moved = current != stop
-        if not moved.any():
+        current = next_row[base + current]  # next_row[stop] is stop
+        if np.minimum.reduce(current) == stop:
             break
-        num_accepted += moved
-        path[:, step] = np.where(moved, current, -1)
-    tokens = row_target_token.reshape(-1)[np.maximum(path, 0) + target_base]
-    np.putmask(tokens, path < 0, -1)
+        path[:, step] = current
+    stopped = path == stop
+    num_accepted = budget - stopped.sum(axis=1)
+    np.putmask(path, stopped, 0)
+    tokens = row_target_token.reshape(-1)[path + target_base]
+    np.putmask(tokens, stopped, -1)
+    np.putmask(path, stopped, -1)
     return path, tokens, num_accepted
 
 
