@@ -63,6 +63,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def seeded(request) -> bool:
+    """A sampled request with a seed: its text is compared with a quiet offline batch."""
+    return not request.greedy and request.seed is not None
+
+
 def offline_references(target: str, spec: dict | None, mix) -> dict:
     """Greedy requests: the target alone; seeded ones: the served configuration in a quiet
     offline batch."""
@@ -70,8 +75,7 @@ def offline_references(target: str, spec: dict | None, mix) -> dict:
     from vllm_gsd.testing.load import references
 
     refs = {}
-    seeded = [r for r in mix if not r.greedy and r.seed is not None]
-    for engine_spec, requests in ((None, [r for r in mix if r.greedy]), (spec, seeded)):
+    for engine_spec, requests in ((None, [r for r in mix if r.greedy]), (spec, [r for r in mix if seeded(r)])):
         if not requests:
             continue
         llm = make_llm(target, engine_spec)
@@ -133,9 +137,8 @@ def soak(args: argparse.Namespace) -> dict:
     problems = load.problems(mix, report)
     greedy_wrong = load.mismatches([r for r in mix if r.greedy],
                                    [x for r, x in zip(mix, report.results) if r.greedy], references)
-    seeded_wrong = load.mismatches([r for r in mix if not r.greedy and r.seed is not None],
-                                   [x for r, x in zip(mix, report.results) if not r.greedy and r.seed is not None],
-                                   references)
+    seeded_wrong = load.mismatches([r for r in mix if seeded(r)],
+                                   [x for r, x in zip(mix, report.results) if seeded(r)], references)
     first, last = sampler.samples[0], sampler.samples[-1]
     growth = growth_per_1k(sampler.samples, int(args.warmup_fraction * len(mix)))
 
@@ -150,7 +153,7 @@ def soak(args: argparse.Namespace) -> dict:
         "client_hang_ups_planned": sum(r.disconnects for r in mix),
         "greedy": sum(r.greedy for r in mix),
         "sampled": sum(not r.greedy for r in mix),
-        "seeded": sum(not r.greedy and r.seed is not None for r in mix),
+        "seeded": sum(seeded(r) for r in mix),
         "streaming": sum(r.stream for r in mix),
         "preempted": int(delta("vllm:num_preemptions_total")),
         "greedy_mismatches": len(greedy_wrong),

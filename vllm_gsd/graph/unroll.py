@@ -90,7 +90,6 @@ def _roots(batch: int, num_rows: int) -> _Nodes:
 
 
 def _concatenate(blocks: list[_Nodes]) -> _Nodes:
-    blocks = [block for block in blocks if block.node.size] or blocks[:1]
     return _Nodes(*(np.concatenate(column) for column in zip(*blocks)))
 
 
@@ -138,10 +137,7 @@ def _primary_bound(graph: HypothesisGraph, budget: np.ndarray) -> np.ndarray:
     budget[b]-th best of them is such a bound; else -inf (and +inf when the budget is 0)."""
     batch = graph.path_prob.shape[0]
     if (budget >= graph.num_nodes).all():  # the bound is the least likely node of a graph this big
-        if (graph.num_nodes == graph.path_prob.shape[1] - 1).all():  # every row is a node
-            least = graph.path_prob[:, 1:].min(axis=1)
-        else:
-            least = np.where(graph.parent_row >= 0, graph.path_prob, np.inf).min(axis=1)
+        least = np.where(graph.parent_row >= 0, graph.path_prob, np.inf).min(axis=1)
         bound = np.where(budget == graph.num_nodes, least, -np.inf)
     else:
         drafted = np.where(graph.parent_row >= 0, graph.path_prob, -np.inf)
