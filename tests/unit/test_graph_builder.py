@@ -408,13 +408,11 @@ def test_node_budget_rejects_bad_values(budget):
 
 @pytest.mark.parametrize("merge_ngram", [0, 1, 2])
 def test_degenerate_hashes_give_the_same_graph(monkeypatch, merge_ngram):
-    """Every hash of the merge rule colliding (hash-set slots, same-level groups, n-gram keys)
-    must only cost time: candidates are confirmed exactly."""
+    """Every n-gram hashing to one slot (of the drafted n-grams' tables and of each level's new
+    n-grams) must only cost time: n-grams are confirmed exactly."""
     params = GraphParams(node_budget=30, top_k=3, max_depth=5, merge_ngram=merge_ngram)
     expected, _, _ = build(params, batch=4, vocab=3, seed=11)
-    monkeypatch.setattr(builder_module, "_GOLDEN", np.uint64(0))
-    monkeypatch.setattr(builder_module, "_ngram_key", lambda prefix, last: np.ones(np.broadcast_shapes(
-        prefix.shape[:-1], last.shape), dtype=np.int64))
+    monkeypatch.setattr(builder_module, "_GOLDEN", np.uint64(0))  # every hash is 0
     got, _, _ = build(params, batch=4, vocab=3, seed=11)
     graph, reference = got.graph(), expected.graph()
     assert reference.num_merges.sum() > 0
@@ -423,14 +421,17 @@ def test_degenerate_hashes_give_the_same_graph(monkeypatch, merge_ngram):
     assert torch.equal(got.build_tree().parent_row, expected.build_tree().parent_row)
 
 
-def test_many_copies_are_pruned_by_the_best_so_far(monkeypatch):
+def test_many_copies_are_pruned_by_the_best_so_far():
     """With two tokens and r = 0 nearly every child merges, so the DAG has far more paths than
-    N: past 2N generated nodes per request the N-th best so far prunes too, and the tree is
+    N: past 2N generated paths per request the N-th best so far prunes too, and the tree is
     still the exact top N."""
-    calls = []
-    original = unroll_module._nth_best_so_far
-    monkeypatch.setattr(unroll_module, "_nth_best_so_far", lambda *a: calls.append(1) or original(*a))
     params = GraphParams(node_budget=16, top_k=2, max_depth=6, merge_ngram=0)
     builder, frontiers, history = build(params, batch=3, vocab=2, seed=2)
-    check_tree(builder.build_tree(), check_graph(builder, frontiers, history, params), params)
-    assert calls
+    graph = check_graph(builder, frontiers, history, params)
+    check_tree(builder.build_tree(), graph, params)
+    width = params.node_budget
+    raised = unroll_module._unroll_requests(graph.token_ids, graph.path_prob, graph.num_nodes, graph.has_children,
+                                            graph.out_node, graph.out_prob, graph.out_pseudo, np.full(3, width),
+                                            np.empty((5, 3, width), np.int64), np.empty((3, width)),
+                                            np.empty((3, width), bool), np.empty(3, np.int64))
+    assert raised > 0

@@ -1,4 +1,4 @@
-"""The vectorized orderings of the graph core against sorted() on random groups and values."""
+"""The compiled orderings of the graph core against sorted() on random values, ties included."""
 
 from __future__ import annotations
 
@@ -6,52 +6,59 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.graph.ordering import best_in_group, order_by_group_then_value_desc, position_in_group
+from vllm_gsd.graph.ordering import (
+    keep_best,
+    kth_largest,
+    order_by_group_then_value_desc,
+)
 
 
 def random_values(rng, count, kind):
-    """Distinct, exactly tied, or near-tied (equal but for the last mantissa bits) values."""
+    """Distinct, exactly tied, or near-tied (equal but for the last mantissa bit) values, a few +inf."""
     if kind == "ties":
-        return rng.integers(0, 4, count) / 4.0
-    base = rng.random(count)
-    if kind == "near":
-        base = np.repeat(base[: (count + 2) // 3], 3)[:count]
-        base = np.nextafter(base, 2.0 * (rng.random(count) < 0.5))  # one ulp up or down
-    return base
+        values = rng.integers(0, 4, count) / 4.0
+    else:
+        values = rng.random(count)
+        if kind == "near":
+            values = np.repeat(values[: (count + 2) // 3], 3)[:count]
+            values = np.nextafter(values, 2.0 * (rng.random(count) < 0.5))  # one ulp up or down
+    values[rng.random(count) < 0.05] = np.inf
+    return values
+
+
+kinds = st.sampled_from(["distinct", "ties", "near"])
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), count=st.integers(0, 300), groups=st.integers(1, 70),
-       kind=st.sampled_from(["distinct", "ties", "near"]))
-def test_order_by_group_then_value_desc_is_the_stable_sort(seed, count, groups, kind):
-    rng = np.random.default_rng(seed)
-    group = rng.integers(0, groups, count)
-    value = random_values(rng, count, kind)
-    value[rng.random(count) < 0.05] = np.inf
-    expected = sorted(range(count), key=lambda i: (group[i], -value[i], i))
-    assert order_by_group_then_value_desc(group, value).tolist() == expected
-    # Items from `ordered_below` on may not be ordered by index: None exactly when one ties.
-    ordered_below = count // 2
-    tied_unordered = any(i >= ordered_below or j >= ordered_below
-                         for i, j in zip(expected, expected[1:]) if group[i] == group[j] and value[i] == value[j])
-    got = order_by_group_then_value_desc(group, value, ordered_below)
-    assert (got is None) == tied_unordered or (got is None and kind == "near")
-    if got is not None:
-        assert got.tolist() == expected
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 300), kind=kinds, data=st.data())
+def test_kth_largest_is_the_sorted_value(seed, count, kind, data):
+    values = random_values(np.random.default_rng(seed), count, kind)
+    k = data.draw(st.integers(1, count))
+    assert kth_largest(values.copy(), k) == sorted(values, reverse=True)[k - 1]
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 300), groups=st.integers(1, 40),
-       kind=st.sampled_from(["distinct", "ties", "near"]))
-def test_best_in_group_keeps_the_best_by_value_then_index(seed, count, groups, kind):
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(0, 300), kind=kinds, data=st.data())
+def test_keep_best_keeps_the_best_by_value_then_order(seed, count, kind, data):
     rng = np.random.default_rng(seed)
-    group = np.sort(rng.integers(0, groups, count))
-    value = random_values(rng, count, kind)
-    keep = rng.integers(0, 12, groups)
-    expected = np.zeros(count, dtype=bool)
-    for g in range(groups):
-        members = sorted(np.flatnonzero(group == g), key=lambda i: (-value[i], i))
-        expected[members[: keep[g]]] = True
-    assert np.array_equal(best_in_group(group, value, keep), expected)
-    assert np.array_equal(position_in_group(group, groups),
-                          [np.count_nonzero(group[:i] == group[i]) for i in range(count)])
+    value = random_values(rng, count + 5, kind)
+    items = np.sort(rng.permutation(count + 5)[:count])
+    keep = data.draw(st.integers(0, count + 2))
+    best = sorted(range(count), key=lambda i: (-value[items[i]], i))[:keep]
+    assert keep_best(items, value, keep).tolist() == items[sorted(best)].tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(0, 400), groups=st.integers(1, 8), kind=kinds,
+       grouped=st.booleans())
+def test_order_by_group_then_value_desc_is_the_stable_sort(seed, count, groups, kind, grouped):
+    """Any input order (runs of 64 and merges above them); `grouped`: already by group, as the
+    breadth-first paths come."""
+    rng = np.random.default_rng(seed)
+    group = rng.integers(0, groups, count + 3)
+    value = random_values(rng, count + 3, kind)
+    items = rng.permutation(count + 3)[:count]
+    if grouped:
+        items = items[np.argsort(group[items], kind="stable")]
+    expected = sorted(items.tolist(), key=lambda i: (group[i], -value[i]))  # stable: ties keep input order
+    assert order_by_group_then_value_desc(items, group, value).tolist() == expected

@@ -46,7 +46,7 @@ from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
-from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree
+from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree, warm_up
 from vllm_gsd.graph.budget import NodeBudgetPolicy
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -111,6 +111,7 @@ class GsdProposer(DraftModelProposer):
         self._curve_seconds = 0.0  # this step's draft forwards, by the draft's cost curve
         self._refusals_logged: set[str] = set()
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
+        warm_up()  # the graph core's compiled kernels, before the first request needs them
 
     def prepare_policy(self, runner) -> None:
         """Build the adaptive node budget (after the KV cache exists: it may time forwards)."""

@@ -7,7 +7,7 @@ walk stops. Every function returns AcceptedPaths in vLLM's SamplerOutput layout.
 
 Loops are over walk steps (at most the tree depth + 1) and, for recursive rejection, over the
 candidate slots of one node (at most top_k); everything inside is batched over requests.
-walk_tree runs the same steps in numpy for CPU tensors (far cheaper per small op than torch).
+walk_tree runs the same rule compiled (numba) for CPU tensors: a walk is a few loads per row.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 
 @dataclass
@@ -49,21 +50,25 @@ def walk_tree(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes
 
     First every row's next row is found at once (its lowest-row child carrying the target's
     token at that row); the walk then takes one gather per accepted node. A node whose parent
-    is not an earlier row (off contract) is never entered. CPU tensors take the numpy twin of
-    the same steps (numpy costs far less per small op); the results are the inputs' device.
+    is not an earlier row (off contract) is never entered. CPU tensors take a compiled loop
+    over the rows instead (each torch op costs microseconds); results are on the inputs' device.
     """
     tensors = (draft_token_ids, parent_row, num_nodes, row_target_token)
     if all(tensor.device.type == "cpu" for tensor in tensors):
-        rows, tokens, accepted = _walk_tree_numpy(*(_int64_array(tensor) for tensor in tensors))
+        batch, budget = draft_token_ids.shape
+        rows, tokens = np.empty((2, batch, budget + 1), dtype=np.int64)
+        accepted = np.empty(batch, dtype=np.int64)
+        _walk_tree_compiled(*(_int64_array(tensor) for tensor in tensors), rows, tokens, accepted)
         return AcceptedPaths(torch.from_numpy(rows), torch.from_numpy(tokens), torch.from_numpy(accepted))
     return _walk_tree_torch(*tensors)
 
 
 def _int64_array(tensor: torch.Tensor) -> np.ndarray:
-    """The (CPU) tensor as an int64 numpy array, without a copy when it already is one."""
-    if tensor.dtype == torch.int64 and not tensor.requires_grad:
+    """The (CPU) tensor as a contiguous int64 numpy array (one compiled specialization), without
+    a copy when it already is one."""
+    if tensor.dtype == torch.int64 and not tensor.requires_grad and tensor.is_contiguous():
         return tensor.numpy()
-    return tensor.detach().to(torch.int64).numpy()
+    return np.ascontiguousarray(tensor.detach().to(torch.int64).numpy())
 
 
 def _walk_tree_torch(draft_token_ids, parent_row, num_nodes, row_target_token) -> AcceptedPaths:
@@ -92,37 +97,29 @@ def _walk_tree_torch(draft_token_ids, parent_row, num_nodes, row_target_token) -
     return AcceptedPaths(accepted_rows, output_token_ids, (path_rows != stop).sum(1) - 1)
 
 
-def _walk_tree_numpy(draft_token_ids, parent_row, num_nodes, row_target_token):
-    """walk_tree's steps on numpy arrays (same layout); returns (rows, tokens, num_accepted)."""
+@njit(cache=True, nogil=True, error_model="numpy")
+def _walk_tree_compiled(draft_token_ids, parent_row, num_nodes, row_target_token, path, tokens, num_accepted):
+    """walk_tree's rule on numpy arrays (same layout), one request at a time, written into
+    path, tokens [B, N + 1] and num_accepted [B]. A node's lowest-row matching sibling wins:
+    rows are scanned upwards and a parent's next row is set once."""
     batch, budget = draft_token_ids.shape
-    stop = budget + 1  # a column past the last row, where a walk rests once it has stopped
-    rows = np.arange(1, budget + 1)
-    # A parent must be an earlier row: as unsigned, a negative one is never below `rows`.
-    is_node = (rows <= num_nodes[:, None]) & (parent_row.view(np.uint64) < rows.view(np.uint64))
-    target_base = (np.arange(batch) * (budget + 1))[:, None]
-    match = is_node & (row_target_token.reshape(-1)[np.where(is_node, parent_row, 0) + target_base] == draft_token_ids)
-    # next_row[b * (N+2) + r]: the lowest matching child of row r (nonzero goes by row).
-    matched = match.reshape(-1).nonzero()[0]
-    matched_request, matched_node = np.divmod(matched, budget)
-    next_row = np.full(batch * (budget + 2), stop, dtype=np.int64)
-    np.minimum.at(next_row, matched_request * (budget + 2) + parent_row.reshape(-1)[matched], matched_node + 1)
-
-    base = np.arange(0, batch * (budget + 2), budget + 2)
-    path = np.full((batch, budget + 1), stop, dtype=np.int64)  # a stopped walk stays at `stop`
-    path[:, 0] = 0
-    current = path[:, 0]
-    for step in range(1, budget + 1):
-        current = next_row[base + current]  # next_row[stop] is stop
-        if np.minimum.reduce(current) == stop:
-            break
-        path[:, step] = current
-    stopped = path == stop
-    num_accepted = budget - stopped.sum(axis=1)
-    np.putmask(path, stopped, 0)
-    tokens = row_target_token.reshape(-1)[path + target_base]
-    np.putmask(tokens, stopped, -1)
-    np.putmask(path, stopped, -1)
-    return path, tokens, num_accepted
+    path[:] = -1
+    tokens[:] = -1
+    next_row = np.empty(budget + 1, np.int64)
+    for b in range(batch):
+        next_row[:] = 0  # 0: no child carries the target's token (the root is nobody's child)
+        for row in range(1, min(num_nodes[b], budget) + 1):
+            parent = parent_row[b, row - 1]
+            if 0 <= parent < row and next_row[parent] == 0 \
+                    and draft_token_ids[b, row - 1] == row_target_token[b, parent]:
+                next_row[parent] = row
+        current, step = 0, 0
+        path[b, 0], tokens[b, 0] = 0, row_target_token[b, 0]
+        while next_row[current] != 0:  # rows only increase: at most budget steps
+            current = next_row[current]
+            step += 1
+            path[b, step], tokens[b, step] = current, row_target_token[b, current]
+        num_accepted[b] = step
 
 
 def greedy_accept(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes: torch.Tensor,

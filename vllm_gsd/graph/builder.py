@@ -14,11 +14,11 @@ order, then by the draft's top-k rank); row 0 is the root. Every node has one *p
 The draft computes node g's KV along its primary path only, hence `draft_ancestor_words` is the
 primary tree; the verification tree unrolls every DAG path (unroll.py).
 
-One level (`expand`) is the paper's draft step:
+One level (`expand`) is the paper's draft step, for each request:
 1. proposals: each frontier node's top-k children, pruned (sibling ratio, bad or repeated ids);
 2. merge rule: a child token t of parent P becomes a pseudo edge P -> M when a drafted node M has
    the same (r+1)-gram (its token t and the r tokens before it along its primary path, continuing
-   into the history), depth not compared, and the edge cannot close a cycle (_match_existing).
+   into the history), depth not compared, and the edge cannot close a cycle (_merge_targets).
    M is not expanded again for P: that is the draft work saved;
 3. children of one level with the same n-gram collapse into one new node (the most likely one)
    and pseudo edges to it (_same_level_leaders);
@@ -28,33 +28,33 @@ One level (`expand`) is the paper's draft step:
    by level; the verification tree (unroll.py) then takes the exact top-N of the unrolled DAG;
 5. the new nodes that are not leaves form the next frontier.
 
-All bookkeeping is numpy on the CPU, vectorized over every frontier row of every request, with
-1-D gathers and scatters: nodes are addressed by flat ids (request * (N + 1) + row), candidates
-by f * k + j (frontier row f, top-k column j). State only later levels read (merge rule) is not
-written at the last level, and the draft ancestor words are brought up to date when read.
-Python loops are over levels, top-k columns, bitset words, the rare chains of same-level
-merges (reachability closure) and the rarer rounds of hash collisions between different n-grams
-(step 3). Inputs may live on any device; outputs are CPU tensors.
+The level runs compiled (numba, as vLLM's n-gram proposer does), one request after another: its
+work is a few loads and compares per candidate, which as numpy calls cost about a microsecond
+each, and a step of 64 requests handles some 2000 candidates per level. Drafted n-grams are
+found through a hash table per request (confirmed exactly, so collisions cost only time), and
+"M reaches x" is one bit of x's reachability set, kept transitively closed as edges are added.
+Inputs may live on any device; outputs are CPU tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from numba import njit
 
 from .ancestors import own_bit_words_numpy
-from .ordering import best_in_group, best_of_runs, runs_of_equal
+from .ordering import keep_best
 from .params import GraphParams
 
 if TYPE_CHECKING:
     from .unroll import VerificationTree
 
-_NO_ROW = np.iinfo(np.int64).max
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing multiplier
+# Multiplier of the n-gram hash (Fibonacci hashing); a module global so that a test can make
+# every n-gram collide.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _EMPTY = np.zeros(0, dtype=np.int64)
 
 
@@ -102,50 +102,6 @@ class HypothesisGraph:
     has_children: np.ndarray  # bool [B * (N+1)], the node has an out-edge
 
 
-@dataclass
-class _Front:
-    """The nodes to expand next, sorted by (request, row), with what their children need.
-    Its arrays are fresh and never written afterwards (frontier() hands them out as they are)."""
-
-    request: np.ndarray  # int64 [F]
-    row: np.ndarray  # int64 [F], graph row within the request
-    node: np.ndarray  # int64 [F], flat node id request * (N+1) + row
-    token: np.ndarray  # int64 [F]
-    path_prob: np.ndarray  # float64 [F]
-
-    def select(self, keep: np.ndarray) -> _Front:
-        return _Front(self.request[keep], self.row[keep], self.node[keep], self.token[keep], self.path_prob[keep])
-
-
-@dataclass
-class _Proposals:
-    """One level's proposed children. Candidate c = f * k + j is column j of frontier row f."""
-
-    request: np.ndarray  # int64 [F], the frontier rows' requests
-    parent: np.ndarray  # int64 [F], the frontier rows (graph rows)
-    parent_node: np.ndarray  # int64 [F], their flat node ids
-    width: int  # k
-    cand_request: np.ndarray  # int64 [F * k], each candidate's request
-    token: np.ndarray  # int64 [F * k]
-    prob: np.ndarray  # float64 [F * k], draft prob at the parent
-    path_prob: np.ndarray  # float64 [F * k]
-    valid: np.ndarray  # bool [F * k], survives the pruning
-    expandable: np.ndarray | None  # bool [F * k], not a leaf (None: all are)
-    key: np.ndarray | None = None  # int64 [F * k], n-gram key (merging only)
-    slot: np.ndarray | None = None  # int64 [F * k], hash-set slot of the key (merging only)
-
-    def frontier_index(self, candidate: np.ndarray) -> np.ndarray:
-        if self.width & (self.width - 1) == 0:  # a shift: numpy's int64 division is not vectorized
-            return candidate >> (self.width.bit_length() - 1)
-        return candidate // self.width
-
-    def rank(self, candidate: np.ndarray, frontier_index: np.ndarray) -> np.ndarray:
-        """The top-k column of each candidate (its frontier_index given)."""
-        if self.width & (self.width - 1) == 0:
-            return candidate & (self.width - 1)
-        return candidate - frontier_index * self.width
-
-
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A tensor's values as a numpy array (no copy for a CPU tensor numpy can hold)."""
     try:
@@ -154,52 +110,9 @@ def _numpy(tensor: torch.Tensor) -> np.ndarray:
         return tensor.detach().to("cpu", torch.float64 if tensor.is_floating_point() else torch.int64).numpy()
 
 
-@lru_cache(maxsize=64)
-def _reach_bits(budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Bit m-1 of a reach set <-> drafted row m: (word [N], shift [N] uint64, own [words, N+1]
-    uint64 with row m's bit), cached read-only."""
-    bit = np.arange(budget)
-    word, shift = bit >> 6, (bit & 63).astype(np.uint64)
-    own = np.zeros(((budget + 63) // 64, budget + 1), dtype=np.uint64)
-    own[word, bit + 1] = np.left_shift(np.uint64(1), shift)
-    for array in (word, shift, own):
-        array.flags.writeable = False
-    return word, shift, own
-
-
-@lru_cache(maxsize=64)
-def _own_words_of_batch(batch: int, num_rows: int) -> np.ndarray:
-    """int32 [batch * num_rows, W]: own_bit_words_numpy(num_rows) for each request (cached,
-    read-only: copy to modify)."""
-    words = np.tile(own_bit_words_numpy(num_rows), (batch, 1))
-    words.flags.writeable = False
-    return words
-
-
-def _ngram_key(prefix: np.ndarray, last: np.ndarray) -> np.ndarray:
-    """int64 key of the n-grams (prefix[..., :], last) (broadcast), never 0 for a token >= 0;
-    exact (a packing) when n <= 2, else an (odd) hash. Tokens are >= -1 and < 2^31, so token + 1
-    fits 32 bits and two tokens pack into one int64."""
-    if prefix.shape[-1] == 0:
-        return last + 1
-    if prefix.shape[-1] == 1:
-        return ((prefix[..., 0] + 1) << 32) | (last + 1)
-    key = np.zeros(prefix.shape[:-1], dtype=np.int64)
-    for column in range(prefix.shape[-1]):
-        key = key * 1_000_003 + (prefix[..., column] + 1)  # array ops wrap mod 2^64 on purpose
-    return (key * 1_000_003 + (last + 1)) | 1
-
-
-def _edges_to_kept_leaders(fresh: np.ndarray, kept: np.ndarray, kept_row: np.ndarray, follower: np.ndarray,
-                           leader: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate ids, target rows) of the pseudo edges from same-level followers to their
-    leaders, for the leaders that made the budget (kept, ascending indices into `fresh`, at
-    rows kept_row); followers of a cut leader are dropped with it."""
-    if kept.size == 0:
-        return _EMPTY, _EMPTY
-    at = np.minimum(np.searchsorted(kept, leader), kept.size - 1)
-    leader_kept = (kept[at] == leader).nonzero()[0]
-    return fresh[follower[leader_kept]], kept_row[at[leader_kept]]
+def _table_size(entries: int) -> int:
+    """Slots of an open-addressing table for up to `entries` keys: a power of two, half full at most."""
+    return max(16, 1 << (2 * entries - 1).bit_length())
 
 
 class GraphBuilder:
@@ -214,9 +127,9 @@ class GraphBuilder:
         self.params = params
         roots = _numpy(root_token_ids).astype(np.int64, copy=False)
         batch = roots.shape[0]
-        budget = params.node_budget
+        budget, top_k = params.node_budget, params.top_k
         num_rows = budget + 1
-        self._batch, self._budget, self._num_rows = batch, budget, num_rows
+        self._batch, self._num_rows = batch, num_rows
 
         # Node arrays [B, N+1] (few allocations: they are rows of one block per dtype).
         self._token, self._parent, self._child_rank = np.full((3, batch, num_rows), -1, dtype=np.int64)
@@ -224,84 +137,78 @@ class GraphBuilder:
         self._depth = np.zeros((batch, num_rows), dtype=np.int64)
         self._edge_prob, self._path_prob = np.zeros((2, batch, num_rows), dtype=np.float64)
         self._edge_prob[:, 0] = self._path_prob[:, 0] = 1.0
-        self._num_nodes, self._num_merges, self._expansions_saved = np.zeros((3, batch), dtype=np.int64)
-        self._out_node = np.full(batch * num_rows * params.top_k, -1, dtype=np.int64)
-        self._out_prob = np.zeros(batch * num_rows * params.top_k, dtype=np.float64)
-        self._out_pseudo = np.zeros(batch * num_rows * params.top_k, dtype=bool)
+        self._counts = np.zeros((3, batch), dtype=np.int64)  # drafted nodes, merges, expansions saved
+        # Every edge (primary and pseudo) by source node and top-k rank.
+        self._out_node = np.full(batch * num_rows * top_k, -1, dtype=np.int64)
+        self._out_prob = np.zeros(batch * num_rows * top_k, dtype=np.float64)
+        self._out_pseudo = np.zeros(batch * num_rows * top_k, dtype=bool)
         self._has_children = np.zeros(batch * num_rows, dtype=bool)
-        # Primary-tree ancestor words, [B * (N+1), W]; padding rows keep only their own
-        # bit (contracts.md). New nodes are queued and OR-ed in when the words are read.
-        self._draft_words = _own_words_of_batch(batch, num_rows).copy()  # [B * (N+1), W]
-        self._num_words = self._draft_words.shape[1]
-        # The same memory, one opaque element per node: numpy moves whole rows fast this way.
-        self._draft_word_rows = self._draft_words.view(np.dtype((np.void, 4 * self._num_words))).reshape(-1)
-        self._pending_words: list[tuple[np.ndarray, np.ndarray]] = []
-        if params.merging:
-            self._init_merge_state(roots, history_token_ids)
+        # Primary-tree ancestor words [B * (N+1), W]; padding rows keep only their own bit.
+        self._draft_words = np.tile(own_bit_words_numpy(num_rows), (batch, 1))
+        self._merge_state = self._init_merge_state(roots, history_token_ids)
 
         self._pseudo: list[tuple[np.ndarray, ...]] = []
         self._levels_expanded = 0
         request = np.arange(batch, dtype=np.int64)
-        self._front = _Front(request, np.zeros(batch, dtype=np.int64), request * num_rows, self._token[:, 0].copy(),
-                             np.ones(batch))
+        self._front = (request, np.zeros(batch, dtype=np.int64), roots.copy(), np.ones(batch))
 
-    def _init_merge_state(self, roots: np.ndarray, history_token_ids: torch.Tensor) -> None:
-        """The merge rule's per-node state, addressed by flat node id:
+    def _init_merge_state(self, roots: np.ndarray, history_token_ids: torch.Tensor) -> tuple[np.ndarray, ...]:
+        """The merge rule's state (placeholders when merging is off), by flat node id
+        b * (N+1) + row:
 
-        context [B*(N+1), r] (r >= 2 only): the r tokens ending at the node along its primary
-        path, continuing into the history; for r <= 1 the node's own token is its context.
-        key: the _ngram_key of the node's (r+1)-gram (the r tokens before it, then its token),
-        never 0; 0 for the root and padding rows, which are never merge targets.
-        seen [B * 2^bits]: a hash set per request of the keys of the drafted nodes, so only
-        candidates that may merge are compared exactly (false positives <= N / 2^bits).
-        reach [words, B*(N+1)] uint64: bit m-1 of reach[:, x] is set iff drafted node m reaches
+        gram [B*(N+1), r+1]: the r+1 tokens ending at the node along its primary path, continuing
+        into the history (-1 before it); a child of P proposing t has the n-gram (gram[P, 1:], t).
+        drafted [B, T]: per request an open-addressing table of the drafted nodes' n-grams, each
+        slot the first row of a chain (0 = empty), next_same [B*(N+1)] the next row of its chain.
+        reach [B*(N+1), ceil(N/64)] uint64: bit m-1 of reach[x] is set iff drafted node m reaches
         x in the DAG (primary + pseudo edges), m == x included; the root is left out (it reaches
         every node and no edge enters it).
+        level_first, level_stamp [T']: scratch table of one request's new n-grams at one level.
         """
-        batch, num_rows, merge_ngram = self._batch, self._num_rows, self.params.merge_ngram
-        if merge_ngram >= 2:
+        batch, num_rows, params = self._batch, self._num_rows, self.params
+        if not params.merging:
+            int_placeholder = np.zeros((1, 1), dtype=np.int64)
+            return (int_placeholder, int_placeholder, np.zeros(1, dtype=np.int64), np.zeros((1, 1), dtype=np.uint64),
+                    np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        r = params.merge_ngram
+        gram = np.full((batch * num_rows, r + 1), -1, dtype=np.int64)
+        gram[::num_rows, r] = roots
+        if r:
             history = history_token_ids.detach().to("cpu", torch.int64).numpy().reshape(batch, -1)
-            self._context = np.full((batch * num_rows, merge_ngram), -1, dtype=np.int64)
-            take = min(merge_ngram - 1, history.shape[1])
+            take = min(r, history.shape[1])
             if take:
-                self._context[::num_rows, merge_ngram - 1 - take:-1] = history[:, history.shape[1] - take:]
-            self._context[::num_rows, -1] = roots
-        self._key = np.zeros(batch * num_rows, dtype=np.int64)
-        self._slot_bits = max(6, (16 * self._budget - 1).bit_length())
-        self._seen = np.zeros(batch << self._slot_bits, dtype=bool)
-        self._slot_owner = np.empty(batch << self._slot_bits, dtype=np.int64)  # scratch of step 3
-
-        self._bit_word, self._bit_shift, self._own_reach = _reach_bits(self._budget)
-        self._reach = np.zeros((self._own_reach.shape[0], batch * num_rows), dtype=np.uint64)
+                gram[::num_rows, r - take:r] = history[:, history.shape[1] - take:]
+        drafted = np.zeros((batch, _table_size(params.node_budget)), dtype=np.int64)
+        next_same = np.zeros(batch * num_rows, dtype=np.int64)
+        reach = np.zeros((batch * num_rows, (params.node_budget + 63) // 64), dtype=np.uint64)
+        level_slots = _table_size(params.node_budget * params.top_k)
+        return gram, drafted, next_same, reach, np.zeros(level_slots, dtype=np.int64), np.zeros(level_slots,
+                                                                                                  dtype=np.int64)
 
     # ---------------------------------------------------------------- engine-facing API
 
     def frontier(self) -> Frontier | None:
         """The rows to draft next, or None when drafting is over."""
-        front = self._front
-        if front.request.size == 0 or self._levels_expanded >= self.params.max_depth:
+        request, row, token, _ = self._front
+        if request.size == 0 or self._levels_expanded >= self.params.max_depth:
             return None
         return Frontier(  # no copies: a front's arrays are never written once it is made
-            request_index=torch.from_numpy(front.request),
-            node_row=torch.from_numpy(front.row),
-            depth=torch.from_numpy(np.full(front.request.size, self._levels_expanded, dtype=np.int64)),
-            token_ids=torch.from_numpy(front.token),
+            request_index=torch.from_numpy(request),
+            node_row=torch.from_numpy(row),
+            depth=torch.from_numpy(np.full(request.size, self._levels_expanded, dtype=np.int64)),
+            token_ids=torch.from_numpy(token),
         )
 
     @property
     def draft_ancestor_words(self) -> torch.Tensor:
         """int32 [B, N + 1, W]: primary-tree ancestor bitmask over graph rows (a copy: the
         builder keeps writing its own array, and the engine may still be copying this one)."""
-        rows = self._draft_word_rows
-        for node, parent_node in self._pending_words:  # level order: parents are final
-            rows[node] = (rows[node].view(np.int32) | rows[parent_node].view(np.int32)).view(rows.dtype)
-        self._pending_words.clear()
-        return torch.from_numpy(self._draft_words.reshape(self._batch, self._num_rows, self._num_words).copy())
+        return torch.from_numpy(self._draft_words.reshape(self._batch, self._num_rows, -1).copy())
 
     @property
     def num_graph_nodes(self) -> torch.Tensor:
         """int64 [B]: drafted graph nodes per request (root excluded)."""
-        return torch.from_numpy(self._num_nodes.copy())
+        return torch.from_numpy(self._counts[0].copy())
 
     def expand(self, topk_token_ids: torch.Tensor, topk_probs: torch.Tensor) -> None:
         """Add the children proposed for the current frontier.
@@ -312,65 +219,53 @@ class GraphBuilder:
         allows (a pseudo edge, no new node), and the remaining new nodes compete for the
         request's node budget by path probability.
         """
-        proposals = self._propose(topk_token_ids, topk_probs)  # 1.
-        existing, existing_dst = _EMPTY, _EMPTY  # 2. merges into drafted nodes (candidates, rows)
-        if self.params.merging and self._num_nodes.any():
-            existing, existing_dst = self._match_existing(proposals)
-        fresh = proposals.valid
-        if existing.size:
-            fresh = fresh.copy()
-            fresh[existing] = False
-        fresh = fresh.nonzero()[0]  # candidate ids, in creation order (grouped by request)
-        fresh_pp = proposals.path_prob[fresh]
-        followers = None  # 3. same-level duplicates: (follower, its leader), indices into `fresh`
-        request = proposals.request  # only children of two frontier rows of one request can collide
-        if self.params.merging and fresh.size > 1 and (request[1:] == request[:-1]).any():
-            followers = self._same_level_leaders(proposals, fresh, fresh_pp)
-        kept, count = self._fit_budget(proposals, fresh, fresh_pp, followers)  # 4.
-        new = fresh[kept]
-        added = self._add_nodes(proposals, new, count)
-        follower, follower_dst = _EMPTY, _EMPTY
-        if followers is not None:
-            follower, follower_dst = _edges_to_kept_leaders(fresh, kept, added.row, *followers)
-        self._front = self._next_front(proposals, new, added)  # 5.
-        if self.params.merging and self._front.request.size:  # only later levels read it
-            self._update_merge_state(proposals, existing, existing_dst, new, added, follower, follower_dst)
-        self._add_pseudo_edges(proposals, np.concatenate([existing, follower]),
-                               np.concatenate([existing_dst, follower_dst]))
-
-    def _fit_budget(self, proposals: _Proposals, fresh: np.ndarray, fresh_pp: np.ndarray,
-                    followers: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray]:
-        """Step 4: (kept, count): the leaders among `fresh` (indices into it, ascending) that
-        fit their request's remaining budget, best path prob first (ties: creation order), and
-        how many per request."""
-        fresh_request = proposals.cand_request[fresh]
-        kept = np.arange(fresh.size)
-        if followers is not None:
-            is_leader = np.ones(fresh.size, dtype=bool)
-            is_leader[followers[0]] = False
-            kept = is_leader.nonzero()[0]
-            fresh_request, fresh_pp = fresh_request[kept], fresh_pp[kept]
-        remaining = self._budget - self._num_nodes
-        count = np.bincount(fresh_request, minlength=self._batch)
-        if (count > remaining).any():
-            kept = kept[best_in_group(fresh_request, fresh_pp, remaining, count)]
-            count = np.minimum(count, remaining)
-        return kept, count
-
-    def _next_front(self, proposals: _Proposals, new: np.ndarray, added: _Front) -> _Front:
-        """Step 5: the new nodes that are not leaves. A request whose graph is full stops
-        drafting: its children could only be merges."""
-        expandable = self._num_nodes[added.request] < self._budget
-        if proposals.expandable is not None:
-            expandable &= proposals.expandable[new]
-        if expandable.all():
-            return added
-        return added.select(expandable.nonzero()[0] if expandable.any() else _EMPTY)
+        params = self.params
+        request, row, _, path_prob = self._front
+        if request.size == 0:
+            raise RuntimeError("expand() called with an empty frontier")
+        tokens = _numpy(topk_token_ids)[:, : params.top_k]
+        probs = _numpy(topk_probs)[:, : params.top_k]
+        if tokens.shape[0] != request.size or probs.shape != tokens.shape:
+            raise ValueError(f"expected [{request.size}, k] top-k tensors, got {tuple(tokens.shape)} "
+                             f"and {tuple(probs.shape)}")
+        self._levels_expanded += 1
+        rule = (params.node_budget, params.top_k, params.merge_ngram, float(params.min_child_ratio),
+                float(params.leaf_prob), self._levels_expanded, self._levels_expanded >= params.max_depth,
+                np.uint64(_GOLDEN))
+        graph = (self._token.reshape(-1), self._parent.reshape(-1), self._depth.reshape(-1),
+                 self._edge_prob.reshape(-1), self._path_prob.reshape(-1), self._child_rank.reshape(-1), self._counts)
+        edges = (self._out_node, self._out_prob, self._out_pseudo, self._has_children)
+        out = np.empty((7, tokens.size), dtype=np.int64)
+        out_prob = np.empty((2, tokens.size), dtype=np.float64)
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        probs = np.ascontiguousarray(probs, dtype=np.float64)
+        num_next, num_pseudo = _expand_level(rule, request, row, path_prob, tokens, probs, graph, edges,
+                                             self._draft_words, self._merge_state, out, out_prob)
+        self._front = (out[0, :num_next], out[1, :num_next], out[2, :num_next], out_prob[0, :num_next])
+        if num_pseudo:
+            self._pseudo.append((out[3, :num_pseudo], out[4, :num_pseudo], out[5, :num_pseudo],
+                                 out_prob[1, :num_pseudo], out[6, :num_pseudo]))
 
     def graph(self, copy: bool = True) -> HypothesisGraph:
         """The graph built so far: a copy, or (copy=False) views of the builder's arrays, valid
         until the next expand(), for a reader that only looks."""
-        return self._snapshot(copy=copy)
+        if self._pseudo:
+            pseudo = [np.concatenate(column) for column in zip(*self._pseudo)]
+        else:
+            pseudo = [_EMPTY] * 3 + [np.zeros(0, np.float64), _EMPTY]
+        num_nodes, num_merges, expansions_saved = self._counts
+        graph = HypothesisGraph(
+            token_ids=self._token, parent_row=self._parent, depth=self._depth, edge_prob=self._edge_prob,
+            path_prob=self._path_prob, child_rank=self._child_rank, num_nodes=num_nodes,
+            pseudo_request=pseudo[0], pseudo_src=pseudo[1], pseudo_dst=pseudo[2],
+            pseudo_prob=pseudo[3], pseudo_rank=pseudo[4],
+            num_merges=num_merges, expansions_saved=expansions_saved,
+            out_node=self._out_node, out_prob=self._out_prob, out_pseudo=self._out_pseudo,
+            has_children=self._has_children,
+        )
+        if not copy:
+            return graph
+        return HypothesisGraph(**{name: value.copy() for name, value in vars(graph).items()})
 
     def build_tree(self, node_budget: torch.Tensor | np.ndarray | int | None = None) -> VerificationTree:
         """Unroll the graph into the flattened verification tree (see unroll.unroll_graph).
@@ -380,304 +275,333 @@ class GraphBuilder:
         """
         from .unroll import unroll_graph
 
-        return unroll_graph(self._snapshot(copy=False), node_budget)
+        return unroll_graph(self.graph(copy=False), node_budget)
 
-    # ---------------------------------------------------------------- one level
 
-    def _propose(self, topk_token_ids: torch.Tensor, topk_probs: torch.Tensor) -> _Proposals:
-        """Step 1: the frontier's children as candidates, pruned (sibling ratio, bad ids,
-        duplicate ids within a row: the first one wins)."""
-        params = self.params
-        front = self._front
-        request, parent = front.request, front.row
-        num_frontier = request.size
-        if num_frontier == 0:
-            raise RuntimeError("expand() called with an empty frontier")
-        tokens = _numpy(topk_token_ids)[:, : params.top_k]
-        probs = _numpy(topk_probs)[:, : params.top_k]
-        if tokens.shape[0] != num_frontier or probs.shape != tokens.shape:
-            raise ValueError(f"expected [{num_frontier}, k] top-k tensors, got {tuple(tokens.shape)} "
-                             f"and {tuple(probs.shape)}")
-        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-        probs = np.ascontiguousarray(probs, dtype=np.float64)
-        width = tokens.shape[1]
-        self._levels_expanded += 1
+# -------------------------------------------------------------------- one level, compiled
 
-        valid = probs > 0
-        if params.min_child_ratio > 0:
-            valid &= probs >= params.min_child_ratio * probs[:, :1]
-        if tokens.min() < 0:
-            valid &= tokens >= 0
-        if width > 1:  # the draft's top-k has distinct ids; bad input may repeat one
-            repeated = tokens[:, 1] == tokens[:, 0]
-            for later in range(2, width):
-                for earlier in range(later):
-                    repeated |= tokens[:, later] == tokens[:, earlier]
-            if repeated.any():
-                for later in range(1, width):
-                    for earlier in range(later):
-                        valid[:, later] &= tokens[:, later] != tokens[:, earlier]
-        parent_node = front.node
-        # Per-row values spread to the row's k candidates (repeat beats [F, 1] broadcasting).
-        path_prob = front.path_prob.repeat(width)
-        path_prob *= probs.reshape(-1)
-        expandable = None
-        if self._levels_expanded >= params.max_depth:
-            expandable = np.zeros(probs.size, dtype=bool)
-        elif params.leaf_prob > 0:
-            expandable = (probs >= params.leaf_prob).reshape(-1)
-        proposals = _Proposals(request, parent, parent_node, width, request.repeat(width), tokens.reshape(-1),
-                               probs.reshape(-1), path_prob, valid.reshape(-1), expandable)
-        if params.merging:
-            if params.merge_ngram == 0:
-                key = proposals.token + 1
-            elif params.merge_ngram == 1:
-                key = (((front.token + 1) << 32) + 1).repeat(width)  # + (token + 1): the low 32 bits
-                key += proposals.token
-            else:
-                key = _ngram_key(self._context[parent_node, None, :], tokens).reshape(-1)
-            proposals.key = key
-            slot = key.view(np.uint64) * _GOLDEN
-            slot >>= np.uint64(64 - self._slot_bits)
-            slot = slot.view(np.int64)
-            slot += proposals.cand_request << self._slot_bits
-            proposals.slot = slot
-        return proposals
 
-    def _match_existing(self, proposals: _Proposals) -> tuple[np.ndarray, np.ndarray]:
-        """Step 2: (candidate ids, target rows) of the candidates that merge into a drafted node.
+@njit(cache=True, nogil=True, error_model="numpy")
+def _expand_level(rule, front_request, front_row, front_path_prob, tokens, probs, graph, edges, draft_words,
+                  merge_state, result, result_prob):
+    """One level of drafting (steps 1-5 of the module docstring) for every request of the front.
 
-        A target M has the candidate's n-gram (same token and same r preceding tokens), is a
-        drafted node, does not reach the parent P (else P -> M closes a cycle), and passes the
-        same-level ordering rule: every frontier node reachable from M that also has a merge
-        candidate must have a larger row than P. Any cycle made of this level's pseudo edges
-        P1 -> M1 ~> P2 -> M2 ~> ... ~> P1 would need rows P1 < P2 < ... < P1, so none exists.
-        Among allowed targets the one with the highest path prob (then lowest row) wins.
+    rule: (N, top_k, r, min_child_ratio, leaf_prob, level, last level, hash multiplier).
+    front_*: [F] the frontier rows, grouped by request, rows ascending; tokens, probs [F, w].
+    graph, edges, draft_words, merge_state: the builder's arrays (flat by node), written in place.
+    Writes the next front into result[0:3] (request, row, token) and result_prob[0] (path prob), and
+    this level's pseudo edges into result[3:7] (request, src row, dst row, rank) and result_prob[1]
+    (prob): the merges into drafted nodes, then the edges of same-level duplicates to their
+    leaders, each in creation order; result [7, F * w], result_prob [2, F * w]. Returns how many of
+    each. (Arrays returned would each cost a microsecond to hand to Python.)
+    """
+    budget, top_k, merge_ngram, min_child_ratio, leaf_prob, level, last_level, multiplier = rule
+    token, parent, depth, edge_prob, path_prob, child_rank, counts = graph
+    out_node, out_prob, out_pseudo, has_children = edges
+    gram, drafted_table, next_same, reach, level_first, level_stamp = merge_state
+    merging = merge_ngram >= 0
+    num_frontier, width = tokens.shape
+    num_rows = budget + 1
+    # Scratch per candidate of one request, c = (f - first) * width + j for column j of frontier
+    # row f (a request has at most N frontier rows; small arrays stay in the cache).
+    most = budget * width
+    valid = np.zeros(most, np.bool_)
+    expandable = np.zeros(most, np.bool_)
+    cand_pp = np.empty(most)
+    cand_hash = np.empty(most, np.uint64)  # of its n-gram (merging only)
+    target = np.zeros(most, np.int64)  # the drafted row it merges into (0: none)
+    leader = np.empty(most, np.int64)  # the same-level candidate it collapses into (itself: none)
+    new_row = np.zeros(most, np.int64)  # its row as a new node (0: none)
+    leaders = np.empty(most, np.int64)
+    # A candidate is a merge, a duplicate or neither: merges fill the pseudo columns from the
+    # front, duplicates from the back (moved behind the merges at the end).
+    last = num_frontier * width - 1
+    num_next = num_merges = num_follows = 0
+    first = 0
+    while first < num_frontier:  # one request: frontier rows first..end-1
+        b = front_request[first]
+        end = first + 1
+        while end < num_frontier and front_request[end] == b:
+            end += 1
+        base = b * num_rows  # flat id of the request's root
+        drafted = counts[0, b]
+        count = (end - first) * width
+        # 1. proposals
+        for f in range(first, end):
+            for j in range(width):
+                c = (f - first) * width + j
+                t, p = tokens[f, j], probs[f, j]
+                ok = p > 0 and t >= 0 and (min_child_ratio <= 0 or p >= min_child_ratio * probs[f, 0])
+                for earlier in range(j):
+                    ok = ok and tokens[f, earlier] != t  # the first of repeated ids wins
+                valid[c] = ok
+                expandable[c] = not last_level and (leaf_prob <= 0 or p >= leaf_prob)
+                cand_pp[c] = front_path_prob[f] * p
+                target[c] = new_row[c] = 0
+                leader[c] = c
+                if merging and ok:
+                    cand_hash[c] = _child_hash(gram, base + front_row[f], t, multiplier)
+        if merging and drafted > 0:  # 2.
+            _merge_targets(b, first, end, width, base, tokens, front_row, valid, cand_hash, target, path_prob,
+                           gram, drafted_table, next_same, reach)
+            for f in range(first, end):  # edges into drafted nodes may change the frontier's ancestors
+                for j in range(width):
+                    if target[(f - first) * width + j]:
+                        _add_reach_edge(reach, base, drafted, base + front_row[f], target[(f - first) * width + j])
+        if merging:  # 3.
+            _same_level_leaders((level - 1) * counts.shape[1] + b + 1, first, end, width, base, tokens, front_row,
+                                cand_hash, valid, target, cand_pp, leader, gram, level_first, level_stamp)
+        # 4. the leaders that fit the remaining budget, best path prob first, ties in creation order
+        num_leaders = 0
+        for c in range(count):
+            if valid[c] and target[c] == 0 and leader[c] == c:
+                leaders[num_leaders] = c
+                num_leaders += 1
+        kept = leaders[:num_leaders]
+        if num_leaders > budget - drafted:
+            kept = keep_best(kept, cand_pp, budget - drafted)
+        # The new nodes, rows in creation order. Only a request that goes on drafting (it has room
+        # and a new node that is not a leaf) needs their merge state.
+        goes_on = merging and drafted + kept.size < budget
+        if goes_on:
+            goes_on = False
+            for c in kept:
+                goes_on = goes_on or expandable[c]
+        for i in range(kept.size):
+            c = kept[i]
+            f = first + c // width
+            j = c - (f - first) * width
+            row = drafted + 1 + i
+            node, parent_node = base + row, base + front_row[f]
+            new_row[c] = row
+            token[node], parent[node], depth[node], child_rank[node] = tokens[f, j], front_row[f], level, j
+            edge_prob[node], path_prob[node] = probs[f, j], cand_pp[c]
+            edge = parent_node * top_k + j
+            out_node[edge], out_prob[edge] = node, probs[f, j]
+            has_children[parent_node] = True
+            for w in range(draft_words.shape[1]):
+                draft_words[node, w] |= draft_words[parent_node, w]
+            if goes_on:  # what later levels' merge rule reads
+                gram[node, :merge_ngram] = gram[parent_node, 1:]
+                gram[node, merge_ngram] = tokens[f, j]
+                for w in range(reach.shape[1]):
+                    reach[node, w] = reach[parent_node, w]
+                reach[node, (row - 1) >> 6] |= np.uint64(1) << np.uint64((row - 1) & 63)
+                _insert_drafted(b, base, row, gram, drafted_table, next_same, multiplier)
+        counts[0, b] = drafted + kept.size
+        # Pseudo edges: merges into drafted nodes, then duplicates into their kept leaders.
+        for f in range(first, end):
+            src_node = base + front_row[f]
+            for j in range(width):
+                c = (f - first) * width + j
+                if valid[c] and target[c]:
+                    dst, at = target[c], num_merges
+                    num_merges += 1
+                elif valid[c] and target[c] == 0 and leader[c] != c and new_row[leader[c]]:
+                    dst, at = new_row[leader[c]], last - num_follows
+                    num_follows += 1
+                    _or_into(reach, base + dst, src_node)  # a new node: nothing below it yet
+                else:
+                    continue
+                result[3, at], result[4, at], result[5, at], result[6, at] = b, front_row[f], dst, j
+                result_prob[1, at] = probs[f, j]
+                edge = src_node * top_k + j
+                out_node[edge], out_prob[edge], out_pseudo[edge] = base + dst, probs[f, j], True
+                has_children[src_node] = True
+                counts[1, b] += 1
+                if expandable[c]:
+                    counts[2, b] += 1
+        # 5. the next frontier: the new nodes that are not leaves, unless the graph is full
+        if counts[0, b] < budget:  # (then every expandable new node has its merge state)
+            for c in kept:
+                if expandable[c]:
+                    f = first + c // width
+                    result[0, num_next], result[1, num_next] = b, new_row[c]
+                    result[2, num_next], result_prob[0, num_next] = tokens[f, c - (f - first) * width], cand_pp[c]
+                    num_next += 1
+        first = end
+    # The duplicates' edges behind the merges, in creation order: reverse them, then move them
+    # down (each to a lower column, in ascending order: none is overwritten before it moves).
+    start = last + 1 - num_follows
+    for i in range(num_follows // 2):
+        for k in range(3, 7):
+            result[k, start + i], result[k, last - i] = result[k, last - i], result[k, start + i]
+        result_prob[1, start + i], result_prob[1, last - i] = result_prob[1, last - i], result_prob[1, start + i]
+    for i in range(num_follows):
+        for k in range(3, 7):
+            result[k, num_merges + i] = result[k, start + i]
+        result_prob[1, num_merges + i] = result_prob[1, start + i]
+    return num_next, num_merges + num_follows
 
-        Only candidates whose key is in the request's hash set are compared, exactly, with the
-        keys of all drafted nodes of their request.
-        """
-        num_rows, nodes = self._num_rows, self._batch * self._num_rows
-        maybe = (proposals.valid & self._seen[proposals.slot]).nonzero()[0]
-        if maybe.size == 0:
-            return _EMPTY, _EMPTY
-        maybe_pos = proposals.frontier_index(maybe)
-        maybe_request = proposals.cand_request[maybe]
-        # Keys of the root and padding rows are 0, which no candidate has.
-        same = np.take(self._key.reshape(self._batch, num_rows), maybe_request, axis=0) == proposals.key[maybe][:, None]
-        pair_cand, pair_m = np.divmod(same.reshape(-1).nonzero()[0], num_rows)  # by candidate, then row
-        if self.params.merge_ngram >= 2:  # the key is a hash: confirm the n-grams
-            cand_gram = np.concatenate([self._context[proposals.parent_node[maybe_pos[pair_cand]]],
-                                        proposals.token[maybe[pair_cand], None]], axis=1)
-            target = maybe_request[pair_cand] * num_rows + pair_m
-            target_gram = np.concatenate([self._context[self._parent.reshape(-1)[target] + target - pair_m],
-                                          self._token.reshape(-1)[target, None]], axis=1)
-            exact = (target_gram == cand_gram).all(1)
-            pair_cand, pair_m = pair_cand[exact], pair_m[exact]
-        # M must not reach P.
-        pair_pos = maybe_pos[pair_cand]
-        pair_request = maybe_request[pair_cand]
-        parent_node = proposals.parent_node[pair_pos]
-        reach = self._reach.reshape(-1)
-        bit = pair_m - 1
-        word = reach[parent_node] if self._reach.shape[0] == 1 else reach[self._bit_word[bit] * nodes + parent_node]
-        allowed = (word >> self._bit_shift[bit]) & np.uint64(1) == 0
-        if not allowed.all():
-            pair_cand, pair_m, pair_pos, pair_request, parent_node = (
-                pair_cand[allowed], pair_m[allowed], pair_pos[allowed], pair_request[allowed], parent_node[allowed])
-            if pair_cand.size == 0:
-                return _EMPTY, _EMPTY
-        # Ordering rule against same-level cycles: for each drafted node m, the lowest frontier
-        # row, among the parents P with a pair left, that m reaches. (With one such parent per
-        # request it allows everything: m does not reach its own P.)
-        if ((pair_request[1:] == pair_request[:-1]) & (pair_pos[1:] != pair_pos[:-1])).any():
-            # Pair i against every pair j of its request (pairs come grouped by request): is
-            # P_j reachable from M_i, and what is the lowest such row.
-            parent_row = proposals.parent[pair_pos]
-            request_start, request_of = runs_of_equal(pair_request)
-            request_count = np.bincount(request_of)
-            count = request_count[request_of]
-            start = count.cumsum() - count
-            i = np.arange(pair_request.size).repeat(count)
-            j = request_start[request_of].repeat(count) + (np.arange(i.size) - start.repeat(count))
-            bit = pair_m[i] - 1
-            word = reach[parent_node[j]] if self._reach.shape[0] == 1 else reach[self._bit_word[bit] * nodes + parent_node[j]]
-            m_reaches_p = (word >> self._bit_shift[bit]) & np.uint64(1) == 1
-            lowest_source_row = np.minimum.reduceat(np.where(m_reaches_p, parent_row[j], _NO_ROW), start)
-            allowed = lowest_source_row > parent_row
-            pair_cand, pair_m, pair_request = pair_cand[allowed], pair_m[allowed], pair_request[allowed]
-            if pair_cand.size == 0:
-                return _EMPTY, _EMPTY
-        # Best target per candidate: highest path prob, then lowest row.
-        if not (pair_cand[1:] == pair_cand[:-1]).any():
-            return maybe[pair_cand], pair_m
-        cand_start, cand_of = runs_of_equal(pair_cand)
-        pair_pp = self._path_prob.reshape(-1)[pair_request * num_rows + pair_m]
-        return maybe[pair_cand[cand_start]], best_of_runs(cand_start, cand_of, pair_pp, pair_m)
 
-    def _same_level_leaders(self, proposals: _Proposals, fresh, path_prob):
-        """Step 3: (followers, their leaders) among the new-node candidates `fresh` (indices into
-        it, followers ascending), or None when no two share an n-gram: candidates of one
-        request with the same n-gram collapse into the one with the highest path prob, then the
-        first created.
+@njit(cache=True, nogil=True, error_model="numpy")
+def _reaches(reach, node, m):
+    """Whether drafted row m reaches flat node `node`."""
+    return (reach[node, (m - 1) >> 6] >> np.uint64((m - 1) & 63)) & np.uint64(1) != 0
 
-        Candidates with one n-gram share a hash-set slot. Each candidate writes its index into
-        its slot and reads the slot back: a slot written more than once returns one of its
-        writers (the owner), so the candidates that read another index, and the owners they
-        read, are the few that may collide. Those join their owner's group when their n-gram
-        equals the owner's (exactly); the rest, true hash collisions, repeat with a new owner.
-        """
-        slot = proposals.slot[fresh]
-        index = np.arange(fresh.size)
-        owner_of_slot = self._slot_owner
-        owner_of_slot[slot] = index
-        owner = owner_of_slot[slot]
-        collided = (owner != index).nonzero()[0]
-        if collided.size == 0:
-            return None
-        shares = np.zeros(fresh.size, dtype=bool)
-        shares[collided] = True
-        shares[owner[collided]] = True
-        members = shares.nonzero()[0]  # in creation order
-        group = np.empty(fresh.size, dtype=np.int64)  # set for members: the owner they joined
-        left, left_owner = members, owner[members]
-        while True:
-            same = self._same_ngram(proposals, fresh[left], fresh[left_owner])
-            group[left[same]] = left_owner[same]
-            left = left[~same]
-            if left.size == 0:
-                break
-            owner_of_slot[slot[left]] = left
-            left_owner = owner_of_slot[slot[left]]
-        member_group = group[members]
-        if (member_group == members).all():
-            return None  # only hash collisions
-        # Leader: the highest path prob of its group, then the first created.
-        group_at = np.searchsorted(members, member_group)  # owners are members
-        member_pp = path_prob[members]
-        best_pp = np.full(members.size, -np.inf)
-        np.maximum.at(best_pp, group_at, member_pp)
-        is_best = member_pp == best_pp[group_at]
-        leader = np.full(members.size, fresh.size, dtype=np.int64)
-        np.minimum.at(leader, group_at[is_best], members[is_best])
-        member_leader = leader[group_at]
-        follows = (member_leader != members).nonzero()[0]
-        return members[follows], member_leader[follows]
 
-    def _same_ngram(self, proposals: _Proposals, candidate: np.ndarray, other: np.ndarray) -> np.ndarray:
-        """bool: candidates of one request with equal (r+1)-grams (exact: the key is a packing
-        for r <= 1, else the parents' contexts and the tokens are compared)."""
-        if self.params.merge_ngram <= 1:
-            return proposals.key[candidate] == proposals.key[other]
-        parent_node = proposals.parent_node
-        context, other_context = (self._context[parent_node[proposals.frontier_index(c)]] for c in (candidate, other))
-        return (context == other_context).all(1) & (proposals.token[candidate] == proposals.token[other])
+@njit(cache=True, nogil=True, error_model="numpy")
+def _child_hash(gram, parent_node, t, multiplier):
+    """Hash of the n-gram (gram[parent_node, 1:], t) of a proposed child."""
+    h = np.uint64(0)
+    for i in range(1, gram.shape[1]):
+        h = (h ^ np.uint64(gram[parent_node, i] + 1)) * multiplier
+    return (h ^ np.uint64(t + 1)) * multiplier
 
-    def _update_merge_state(self, proposals: _Proposals, existing, existing_dst, new, added: _Front, follower,
-                            follower_dst) -> None:
-        """What later levels' merge rule reads: reachability (edges into existing nodes first,
-        since they may change a frontier node's ancestors; then the new nodes inherit their
-        parent's set; then edges into new nodes), keys, contexts and the hash sets."""
-        num_rows, new_node = self._num_rows, added.node
-        new_parent_node = proposals.parent_node[proposals.frontier_index(new)]
-        self._add_reach_edges(proposals, existing, existing_dst)
-        for word, own in zip(self._reach, self._own_reach):
-            word[new_node] = word[new_parent_node] | own[added.row]
-        if follower.size:
-            src = proposals.parent_node[proposals.frontier_index(follower)]
-            dst = proposals.cand_request[follower] * num_rows + follower_dst
-            for word in self._reach:
-                np.bitwise_or.at(word, dst, word[src])
-        self._key[new_node] = proposals.key[new]
-        self._seen[proposals.slot[new]] = True
-        if self.params.merge_ngram >= 2:
-            self._context[new_node, :-1] = self._context[new_parent_node, 1:]
-            self._context[new_node, -1] = proposals.token[new]
 
-    def _add_reach_edges(self, proposals: _Proposals, edge: np.ndarray, dst: np.ndarray) -> None:
-        """Record pseudo edges (candidate ids `edge` into drafted rows `dst`) in the reachability
-        sets, transitively: every node x reachable from dst (dst's bit is set in x's set) gains
-        every node that reaches src.
+@njit(cache=True, nogil=True, error_model="numpy")
+def _is_childs_gram(gram, node, parent_node, t):
+    """Whether node's n-gram is (gram[parent_node, 1:], t)."""
+    last = gram.shape[1] - 1
+    for i in range(last):
+        if gram[node, i] != gram[parent_node, i + 1]:
+            return False
+    return gram[node, last] == t
 
-        Edges of one level can chain (dst1 reaches src2), so repeat until no source's set grows
-        (chains are short). Multiplying a uint64 word by a 0/1 mask selects it; an unbuffered OR
-        (np.bitwise_or.at) merges the edges of one request.
-        """
-        if edge.size == 0:
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _find_drafted(b, base, parent_node, t, h, gram, drafted_table):
+    """The first row of request b's chain of drafted nodes with the n-gram (gram[parent_node,
+    1:], t) of hash h, 0 if none."""
+    mask = drafted_table.shape[1] - 1
+    slot = np.int64(h >> np.uint64(40)) & mask
+    while drafted_table[b, slot]:
+        if _is_childs_gram(gram, base + drafted_table[b, slot], parent_node, t):
+            return drafted_table[b, slot]
+        slot = (slot + 1) & mask
+    return 0
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _insert_drafted(b, base, row, gram, drafted_table, next_same, multiplier):
+    """Add drafted row `row` of request b to its n-gram's chain (at the front)."""
+    node = base + row
+    h = np.uint64(0)
+    for i in range(gram.shape[1]):
+        h = (h ^ np.uint64(gram[node, i] + 1)) * multiplier
+    mask = drafted_table.shape[1] - 1
+    slot = np.int64(h >> np.uint64(40)) & mask
+    while drafted_table[b, slot]:
+        head = drafted_table[b, slot]
+        if _same_tokens(gram, base + head, node, 0):
+            next_same[node] = head
+            drafted_table[b, slot] = row
             return
-        pos = proposals.frontier_index(edge)
-        request, src = proposals.cand_request[edge], proposals.parent[pos]
-        reach = self._reach.reshape(self._reach.shape[0], self._batch, self._num_rows)  # [words, B, N+1]
-        dst_word, dst_shift = self._bit_word[dst - 1], self._bit_shift[dst - 1][:, None]
-        src_reach = reach[:, request, src]  # [words, E]: the nodes reaching src
-        while True:
-            below_dst = (reach[dst_word, request] >> dst_shift) & np.uint64(1)  # [E, N+1]
-            for word, src_word in zip(reach, src_reach):
-                np.bitwise_or.at(word, request, below_dst * src_word[:, None])
-            # Converged once no source's set grew: a further pass could only add, to a node
-            # below some dst, sets it already received through the source below that dst.
-            new_src_reach = reach[:, request, src]
-            if (new_src_reach == src_reach).all():
-                return
-            src_reach = new_src_reach
+        slot = (slot + 1) & mask
+    next_same[node] = 0
+    drafted_table[b, slot] = row
 
-    def _add_nodes(self, proposals: _Proposals, new: np.ndarray, count: np.ndarray) -> _Front:
-        """Store the new nodes (candidate ids `new`, ascending, `count` per request); their rows
-        continue each request's numbering in creation order, and all of this level's nodes have
-        depth = level. Returns them as a front."""
-        pos = proposals.frontier_index(new)
-        request = proposals.cand_request[new]
-        row = (self._num_nodes + 1 - (count.cumsum() - count))[request] + np.arange(new.size)
-        added = _Front(request, row, request * self._num_rows + row, proposals.token[new], proposals.path_prob[new])
-        rank = proposals.rank(new, pos)
-        prob = proposals.prob[new]
-        node, parent_node = added.node, proposals.parent_node[pos]
-        self._token.reshape(-1)[node] = added.token
-        self._parent.reshape(-1)[node] = proposals.parent[pos]
-        self._depth.reshape(-1)[node] = self._levels_expanded
-        self._edge_prob.reshape(-1)[node] = prob
-        self._path_prob.reshape(-1)[node] = added.path_prob
-        self._child_rank.reshape(-1)[node] = rank
-        self._num_nodes += count
-        self._pending_words.append((node, parent_node))
-        slot = parent_node * self.params.top_k + rank
-        self._out_node[slot] = node
-        self._out_prob[slot] = prob
-        self._has_children[parent_node] = True
-        return added
 
-    def _add_pseudo_edges(self, proposals: _Proposals, edge: np.ndarray, dst: np.ndarray) -> None:
-        """Record pseudo edges (candidate ids `edge` into rows `dst`) and the merge statistics."""
-        if edge.size == 0:
-            return
-        pos = proposals.frontier_index(edge)
-        request, rank, prob = proposals.cand_request[edge], proposals.rank(edge, pos), proposals.prob[edge]
-        self._pseudo.append((request, proposals.parent[pos], dst, prob, rank))
-        slot = proposals.parent_node[pos] * self.params.top_k + rank
-        self._out_node[slot] = request * self._num_rows + dst
-        self._out_prob[slot] = prob
-        self._out_pseudo[slot] = True
-        self._has_children[proposals.parent_node[pos]] = True
-        self._num_merges += np.bincount(request, minlength=self._batch)
-        saved = request if proposals.expandable is None else request[proposals.expandable[edge]]
-        self._expansions_saved += np.bincount(saved, minlength=self._batch)
+@njit(cache=True, nogil=True, error_model="numpy")
+def _merge_targets(b, first, end, width, base, tokens, front_row, valid, cand_hash, target, path_prob, gram,
+                   drafted_table, next_same, reach):
+    """Step 2 for request b (frontier rows first..end-1): target[c] = the drafted row candidate
+    c merges into, or 0.
 
-    # ---------------------------------------------------------------- snapshots
+    A target M has the candidate's n-gram, does not reach the parent P (else P -> M closes a
+    cycle), and passes the same-level ordering rule: no frontier row P' < P that has a
+    cycle-free pair of its own is reachable from M. Any cycle of this level's pseudo edges
+    P1 -> M1 ~> P2 -> M2 ~> ... ~> P1 would need rows P1 < P2 < ... < P1, so none exists.
+    Among allowed targets the one with the highest path prob (then the lowest row) wins.
+    """
+    head = np.zeros((end - first) * width, np.int64)  # first row of the candidate's chain
+    sources = np.empty(end - first, np.int64)  # frontier rows with a cycle-free pair, ascending
+    num_sources = 0
+    for f in range(first, end):
+        parent_node = base + front_row[f]
+        has_pair = False
+        for j in range(width):
+            c = (f - first) * width + j
+            if not valid[c]:
+                continue
+            m = _find_drafted(b, base, parent_node, tokens[f, j], cand_hash[c], gram, drafted_table)
+            head[c] = m
+            while m and not has_pair:
+                has_pair = not _reaches(reach, parent_node, m)
+                m = next_same[base + m]
+        if has_pair:
+            sources[num_sources] = front_row[f]
+            num_sources += 1
+    if num_sources == 0:
+        return
+    for f in range(first, end):
+        parent_row = front_row[f]
+        parent_node = base + parent_row
+        for j in range(width):
+            c = (f - first) * width + j
+            m = head[c]
+            best = 0
+            while m:
+                allowed = not _reaches(reach, parent_node, m)
+                for s in range(num_sources):
+                    if not allowed or sources[s] >= parent_row:
+                        break
+                    allowed = not _reaches(reach, base + sources[s], m)
+                if allowed and (best == 0 or path_prob[base + m] > path_prob[base + best]
+                                or (path_prob[base + m] == path_prob[base + best] and m < best)):
+                    best = m
+                m = next_same[base + m]
+            target[c] = best
 
-    def _snapshot(self, copy: bool) -> HypothesisGraph:
-        if self._pseudo:
-            pseudo = [np.concatenate(column) for column in zip(*self._pseudo)]
-        else:
-            pseudo = [_EMPTY] * 3 + [np.zeros(0, np.float64), _EMPTY]
-        graph = HypothesisGraph(
-            token_ids=self._token, parent_row=self._parent, depth=self._depth, edge_prob=self._edge_prob,
-            path_prob=self._path_prob, child_rank=self._child_rank, num_nodes=self._num_nodes,
-            pseudo_request=pseudo[0], pseudo_src=pseudo[1], pseudo_dst=pseudo[2],
-            pseudo_prob=pseudo[3], pseudo_rank=pseudo[4],
-            num_merges=self._num_merges, expansions_saved=self._expansions_saved,
-            out_node=self._out_node, out_prob=self._out_prob, out_pseudo=self._out_pseudo,
-            has_children=self._has_children,
-        )
-        if not copy:
-            return graph
-        return HypothesisGraph(**{name: value.copy() for name, value in vars(graph).items()})
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _add_reach_edge(reach, base, drafted, src_node, dst):
+    """Record the pseudo edge src -> drafted row dst: every node reachable from dst (rows
+    1..drafted whose set holds dst) gains every node that reaches src. (The ordering rule
+    keeps src out of them, so src's set does not change meanwhile.)"""
+    for x in range(1, drafted + 1):
+        if _reaches(reach, base + x, dst):
+            _or_into(reach, base + x, src_node)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _same_level_leaders(stamp, first, end, width, base, tokens, front_row, cand_hash, valid, target, cand_pp,
+                        leader, gram, level_first, level_stamp):
+    """Step 3 for one request (frontier rows first..end-1): leader[c] = the candidate that c
+    collapses into among the new-node candidates (valid, no merge target) with its n-gram: the
+    highest path prob, then the first created. level_first/level_stamp: a table of the first
+    candidate of each n-gram, its slots valid for this `stamp` only (so it is never cleared)."""
+    mask = level_first.size - 1
+    for f in range(first, end):
+        parent_node = base + front_row[f]
+        for j in range(width):
+            c = (f - first) * width + j
+            if not valid[c] or target[c]:
+                continue
+            t = tokens[f, j]
+            slot = np.int64(cand_hash[c] >> np.uint64(40)) & mask
+            while level_stamp[slot] == stamp:
+                e = level_first[slot]
+                e_front = first + e // width
+                if tokens[e_front, e - (e_front - first) * width] == t and \
+                        _same_tokens(gram, parent_node, base + front_row[e_front], 1):
+                    break
+                slot = (slot + 1) & mask
+            if level_stamp[slot] != stamp:  # the first of its n-gram
+                level_stamp[slot], level_first[slot] = stamp, c
+                continue
+            e = level_first[slot]
+            if cand_pp[c] > cand_pp[leader[e]]:
+                leader[e] = c
+            leader[c] = -1 - e  # (resolved below: the group's final leader)
+    for c in range((end - first) * width):
+        if leader[c] < 0:
+            leader[c] = leader[-1 - leader[c]]
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _same_tokens(gram, node, other, first_column):
+    """Whether gram[node, first_column:] == gram[other, first_column:]: from column 0, two nodes
+    have one n-gram; from column 1, children of the two with one token would."""
+    for i in range(first_column, gram.shape[1]):
+        if gram[node, i] != gram[other, i]:
+            return False
+    return True
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _or_into(reach, node, other):
+    """reach[node] |= reach[other] (one uint64 word at a time, no temporary)."""
+    for w in range(reach.shape[1]):
+        reach[node, w] |= reach[other, w]
+

@@ -1,121 +1,105 @@
-"""Vectorized orderings shared by graph drafting and unrolling (numpy, CPU).
+"""Orderings shared by graph drafting and unrolling (compiled with numba, called from their loops).
 
-Both need "the best items of each request by probability, ties in creation order" many times per
-step, on a few thousand items. numpy's stable argsort of floats (timsort) and searchsorted are
-slow at that size, while np.sort of 64-bit integers is fast (SIMD); so items are ordered by
-sorting packed keys: group | leading bits of the probability | item index.
+Both need "the best items by probability, ties in creation order" for a few dozen items at a
+time: the budget's best new nodes of a request, the best paths of its tree, the tree's rows by
+depth. numpy's sorts cost microseconds of overhead per call at that size, and numba's own compile
+for a long time, so these are written out: a quickselect for a threshold and a stable merge sort.
+Values are path probabilities: >= 0, no NaN (+inf allowed).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-_NOT_FLOAT_BITS = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
-
-
-def order_by_group_then_value_desc(group: np.ndarray, value: np.ndarray,
-                                   ordered_below: int | None = None) -> np.ndarray | None:
-    """Permutation sorting items by group ascending, then value descending, then index ascending.
-
-    group: int64 [n], >= 0; value: float64 [n], >= 0 (+inf allowed; no NaN, no -0.0).
-    ordered_below: items from this index on have no meaningful index order; if one of them ties
-    (same group and value) with another item, None is returned instead.
-    Non-negative floats order like their bit patterns, so the key keeps the leading bits of
-    ~value between the group and the index. Two values of one group that share those leading
-    bits but differ further down ("near ties") would be ordered by index instead of value: that
-    is checked, and such inputs are sorted exactly by lexsort.
-    """
-    count = value.size
-    if count <= 1:
-        return np.arange(count)
-    index_bits = (count - 1).bit_length()
-    value_bits = min(63, 64 - index_bits - int(group.max()).bit_length())
-    if value_bits < 24:  # too few bits left to be useful
-        return _exact_order(group, value, ordered_below)
-    key = group.astype(np.uint64) << np.uint64(value_bits)
-    key |= (_NOT_FLOAT_BITS - value.view(np.uint64)) >> np.uint64(63 - value_bits)
-    key <<= np.uint64(index_bits)
-    key |= np.arange(count, dtype=np.uint64)
-    key.sort()
-    order = (key & np.uint64((1 << index_bits) - 1)).astype(np.int64)
-    key >>= np.uint64(index_bits)
-    tied = (key[1:] == key[:-1]).nonzero()[0]  # same group and leading bits
-    if tied.size == 0:
-        return order
-    if ordered_below is not None and ((order[tied] >= ordered_below) | (order[tied + 1] >= ordered_below)).any():
-        return None  # (a near tie too, possibly; the caller falls back to ordered ids)
-    if (value[order[tied]] != value[order[tied + 1]]).any():
-        return _exact_order(group, value, ordered_below)  # a near tie: exact (stable) fallback
-    return order
+from numba import njit
 
 
-def _exact_order(group: np.ndarray, value: np.ndarray, ordered_below: int | None) -> np.ndarray | None:
-    order = np.lexsort((-value, group))
-    if ordered_below is not None:
-        tied = ((group[order[1:]] == group[order[:-1]]) & (value[order[1:]] == value[order[:-1]])).nonzero()[0]
-        if ((order[tied] >= ordered_below) | (order[tied + 1] >= ordered_below)).any():
-            return None
-    return order
+@njit(cache=True, nogil=True, error_model="numpy")
+def kth_largest(values: np.ndarray, k: int) -> float:
+    """The k-th largest of `values` (1 <= k <= size), which it reorders (quickselect)."""
+    lo, hi, want = 0, values.size - 1, k - 1  # the answer's position in descending order
+    while lo < hi:
+        pivot = values[(lo + hi) >> 1]
+        i, j = lo, hi
+        while i <= j:  # Hoare partition, descending: [lo, j] >= pivot >= [i, hi]
+            while values[i] > pivot:
+                i += 1
+            while values[j] < pivot:
+                j -= 1
+            if i <= j:
+                values[i], values[j] = values[j], values[i]
+                i += 1
+                j -= 1
+        if want <= j:
+            hi = j
+        elif want >= i:
+            lo = i
+        else:
+            return values[want]
+    return values[want]
 
 
-def stable_order_small(key: np.ndarray) -> np.ndarray:
-    """Stable argsort of non-negative integers; a radix sort when they fit 16 bits."""
-    if key.size and key.max() < 2**16:
-        return np.argsort(key.astype(np.uint16), kind="stable")
-    return np.argsort(key, kind="stable")
-
-
-def position_in_group(sorted_group: np.ndarray, num_groups: int) -> np.ndarray:
-    """Index of each item among the items of its group; `sorted_group` is non-decreasing."""
-    count = np.bincount(sorted_group, minlength=num_groups)
-    start = count.cumsum() - count
-    return np.arange(sorted_group.size) - start[sorted_group]
-
-
-def best_in_group(sorted_group: np.ndarray, value: np.ndarray, keep: np.ndarray,
-                  count: np.ndarray | None = None) -> np.ndarray:
-    """bool [n]: for items grouped by `sorted_group` (non-decreasing, int64 in 0..G-1), the
-    keep[g] best of each group g by value descending, ties by index. value: float64, > -inf.
-    count: the items per group, if known (np.bincount(sorted_group, minlength=G)).
-
-    Each group's threshold (its keep[g]-th best value) comes from one row-wise sort of a dense
-    [G, largest group] copy of the values; only ties at a threshold need the index order.
-    """
-    num_groups = keep.size
-    if count is None:
-        count = np.bincount(sorted_group, minlength=num_groups)
-    position = np.arange(sorted_group.size) - (count.cumsum() - count)[sorted_group]
-    columns = int(count.max())
-    dense = np.full(num_groups * columns, -np.inf)
-    dense[sorted_group * columns + position] = value
-    dense = np.sort(dense.reshape(num_groups, columns), axis=1).reshape(-1)  # ascending rows
-    at = np.arange(num_groups) * columns + np.minimum(np.maximum(columns - keep, 0), columns - 1)
-    threshold = dense[at]
-    threshold[keep <= 0] = np.inf
-    item_threshold = threshold[sorted_group]
-    kept = value >= item_threshold
-    tie_below = (keep > 0) & (keep < columns) & (threshold > -np.inf) & (dense[np.maximum(at - 1, 0)] == threshold)
-    if tie_below.any():  # ties at a threshold: the first ones fill what the better ones left
-        kept = value > item_threshold
-        room = keep - np.bincount(sorted_group[kept], minlength=num_groups)
-        tied = (value == item_threshold).nonzero()[0]
-        tied_group = sorted_group[tied]
-        kept[tied[position_in_group(tied_group, num_groups) < room[tied_group]]] = True
+@njit(cache=True, nogil=True, error_model="numpy")
+def keep_best(items: np.ndarray, value: np.ndarray, keep: int) -> np.ndarray:
+    """The `keep` best of `items` by value[item] descending, ties to the earlier item, in their
+    given order: a threshold by selection, then one pass."""
+    if keep <= 0:
+        return items[:0]
+    if keep >= items.size:
+        return items
+    values = np.empty(items.size)
+    for i in range(items.size):
+        values[i] = value[items[i]]
+    threshold = kth_largest(values.copy(), keep)
+    ties = keep  # how many at the threshold are kept: what the better ones leave
+    for v in values:
+        if v > threshold:
+            ties -= 1
+    kept = np.empty(keep, np.int64)
+    num_kept = 0
+    for i in range(items.size):
+        if values[i] > threshold or (values[i] == threshold and ties > 0):
+            if values[i] == threshold:
+                ties -= 1
+            kept[num_kept] = items[i]
+            num_kept += 1
     return kept
 
 
-def best_of_runs(run_start: np.ndarray, run_of: np.ndarray, value: np.ndarray,
-                 tie: np.ndarray) -> np.ndarray:
-    """For items laid out in runs (run r = items run_start[r] .. run_start[r+1] - 1, run_of[i] =
-    the run of item i): the `tie` of each run's best item, highest value then lowest tie."""
-    best_value = np.maximum.reduceat(value, run_start)
-    candidate_tie = np.where(value == best_value[run_of], tie, np.iinfo(np.int64).max)
-    return np.minimum.reduceat(candidate_tie, run_start)
-
-
-def runs_of_equal(sorted_key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(run_start, run_of) of the runs of equal values in a sorted array."""
-    new_run = np.empty(sorted_key.size, dtype=bool)
-    new_run[:1] = True
-    np.not_equal(sorted_key[1:], sorted_key[:-1], out=new_run[1:])
-    return new_run.nonzero()[0], new_run.cumsum() - 1
+@njit(cache=True, nogil=True, error_model="numpy")
+def order_by_group_then_value_desc(items: np.ndarray, group: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """`items` (indices into group and value) stably sorted by group[item] ascending, then
+    value[item] descending: equal items keep their given order. Insertion sort in runs of 64
+    (the usual whole input: a request's paths, already by depth when generated breadth-first,
+    so that items move only within their depth), then bottom-up merges. Keys are copied next
+    to the items, so that comparisons read memory in order."""
+    count = items.size
+    order, keys, values = items.copy(), np.empty(count, np.int64), np.empty(count)
+    for i in range(count):
+        keys[i], values[i] = group[items[i]], value[items[i]]
+    run = 64
+    for start in range(0, count, run):
+        for i in range(start + 1, min(start + run, count)):
+            item, key, v = order[i], keys[i], values[i]
+            j = i
+            while j > start and (key < keys[j - 1] or (key == keys[j - 1] and v > values[j - 1])):
+                order[j], keys[j], values[j] = order[j - 1], keys[j - 1], values[j - 1]
+                j -= 1
+            order[j], keys[j], values[j] = item, key, v
+    other, other_keys, other_values = np.empty_like(order), np.empty_like(keys), np.empty_like(values)
+    while run < count:
+        for lo in range(0, count, 2 * run):
+            mid, hi = min(lo + run, count), min(lo + 2 * run, count)
+            i, j = lo, mid
+            for out in range(lo, hi):
+                # Take the right one only when it sorts strictly first: equal items keep their order.
+                if j < hi and (i >= mid or keys[j] < keys[i] or (keys[j] == keys[i] and values[j] > values[i])):
+                    other[out], other_keys[out], other_values[out] = order[j], keys[j], values[j]
+                    j += 1
+                else:
+                    other[out], other_keys[out], other_values[out] = order[i], keys[i], values[i]
+                    i += 1
+        order, other = other, order
+        keys, other_keys = other_keys, keys
+        values, other_values = other_values, values
+        run *= 2
+    return order

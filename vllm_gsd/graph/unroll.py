@@ -8,24 +8,24 @@ draft top-k ranks along the path), a set closed under ancestors because a child'
 probability never exceeds its parent's. It is flattened breadth-first (depth, then path
 probability descending, then creation order), so every prefix of the rows is a valid tree.
 
-Tree nodes are the graph's own nodes (each along its primary path) plus the copies: a path
-through a pseudo edge P -> M leaves the primary tree at P, so the copies are grown from the
-pseudo edges, depth by depth through every out-edge, vectorized over every request. Copies are
-few; the graph's nodes need no growing at all.
+The paths are generated from the graph's out-edge table (every primary and pseudo edge by
+source and rank), breadth-first, so that generation order is creation order. This is one
+compiled pass per request (numba, as vLLM's n-gram proposer does): the work per tree node is a
+handful of loads and stores, which as numpy calls would cost a microsecond each, and a step
+unrolls some 4000 nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 import torch
+from numba import njit
 
 from .ancestors import ancestor_words_from_parents
 from .builder import HypothesisGraph
-from .ordering import order_by_group_then_value_desc, position_in_group, stable_order_small
+from .ordering import keep_best, kth_largest, order_by_group_then_value_desc
 
 
 @dataclass
@@ -71,28 +71,6 @@ def _write_ancestor_words(tree: VerificationTree, words: torch.Tensor | None) ->
 VerificationTree.ancestor_words = property(_read_ancestor_words, _write_ancestor_words)
 
 
-class _Nodes(NamedTuple):
-    """Generated tree nodes, one entry per node (flat arrays)."""
-
-    request: np.ndarray  # int64
-    node: np.ndarray  # int64, flat graph node (request * (N+1) + row) the tree node copies
-    path_prob: np.ndarray  # float64 (roots: +inf, so that they lead every ordering)
-    parent_id: np.ndarray  # int64, index of the parent tree node (roots: -1)
-    via: np.ndarray  # bool, the path uses a pseudo edge
-    rank: np.ndarray  # int64, top-k column of the edge into the node (roots: -1)
-    depth: np.ndarray  # int64
-
-
-def _roots(batch: int, num_rows: int) -> _Nodes:
-    roots = np.arange(batch)
-    return _Nodes(roots, roots * num_rows, np.full(batch, np.inf), np.full(batch, -1), np.zeros(batch, bool),
-                  np.full(batch, -1), np.zeros(batch, np.int64))
-
-
-def _concatenate(blocks: list[_Nodes]) -> _Nodes:
-    return _Nodes(*(np.concatenate(column) for column in zip(*blocks)))
-
-
 def request_budget(node_budget, batch: int, width: int) -> np.ndarray:
     """int64 [B] tree nodes to keep per request from None (= width), an int, or [B] values in
     0..width (a numpy array, a torch tensor or a sequence)."""
@@ -114,210 +92,133 @@ def unroll_graph(graph: HypothesisGraph, node_budget=None) -> VerificationTree:
 
     node_budget: None (= N, the graph's node budget), an int, or int64 [B]; values in 0..N.
     The tree tensors are [B, N] wide whatever the budget.
-
-    A candidate less likely than a bound on request b's n-th best tree node (n =
-    node_budget[b]) is dropped with its subtree: it cannot be in the top n, and its descendants
-    are no more likely. The bound is the n-th best graph node (_primary_bound) and, once more
-    than 2N nodes per request were generated (many copies), also the N-th best generated so
-    far; either way the final top-n selection is exact.
     """
     batch, num_rows = graph.token_ids.shape
-    budget = request_budget(node_budget, batch, num_rows - 1)
-    bound = _primary_bound(graph, budget)
-    nodes, ordered_below = _graph_nodes_then_copies(graph, bound)
-    tree = _flatten(graph, nodes, budget, ordered_below)
-    if tree is None:  # a path-probability tie involves a copy: only creation order breaks it
-        tree = _flatten(graph, _in_creation_order(graph, bound), budget, None)
-    return tree
-
-
-def _primary_bound(graph: HypothesisGraph, budget: np.ndarray) -> np.ndarray:
-    """float64 [B]: a path prob every tree node of request b's top budget[b] reaches. The graph's
-    own nodes are tree nodes (their primary paths), so if it has at least budget[b] of them, the
-    budget[b]-th best of them is such a bound; else -inf (and +inf when the budget is 0)."""
-    batch = graph.path_prob.shape[0]
-    if (budget >= graph.num_nodes).all():  # the bound is the least likely node of a graph this big
-        least = np.where(graph.parent_row >= 0, graph.path_prob, np.inf).min(axis=1)
-        bound = np.where(budget == graph.num_nodes, least, -np.inf)
-    else:
-        drafted = np.where(graph.parent_row >= 0, graph.path_prob, -np.inf)
-        bound = -np.sort(-drafted, axis=1)[np.arange(batch), np.maximum(budget - 1, 0)]
-    return np.where(budget == 0, np.inf, bound)
-
-
-def _graph_nodes_then_copies(graph: HypothesisGraph, bound: np.ndarray) -> tuple[_Nodes, int]:
-    """The roots, every graph node (along its primary path), then the copies; and the number of
-    nodes before the copies, whose order within a request is creation order. A copy's path
-    leaves the primary tree through a pseudo edge P -> M, which hangs M under P's own tree
-    node; those seeds grow through every out-edge."""
-    batch, num_rows = graph.token_ids.shape
-    if (graph.num_nodes == num_rows - 1).all():
-        # Every row is a node: ids are the flat graph nodes themselves (root first in each request).
-        blocks, id_of_node = [_every_row(graph)], None
-    else:
-        node = (graph.parent_row >= 0).reshape(-1).nonzero()[0]  # by request, then row = creation order
-        request = node // num_rows
-        id_of_node = np.empty(batch * num_rows, dtype=np.int64)
-        id_of_node[np.arange(batch) * num_rows] = np.arange(batch)
-        id_of_node[node] = batch + np.arange(node.size)
-        primary = _Nodes(request, node, graph.path_prob.reshape(-1)[node],
-                         id_of_node[request * num_rows + graph.parent_row.reshape(-1)[node]],
-                         np.zeros(node.size, bool), graph.child_rank.reshape(-1)[node], graph.depth.reshape(-1)[node])
-        blocks = [_roots(batch, num_rows), primary]
-    ordered_below = sum(block.node.size for block in blocks)
-    src = graph.pseudo_request * num_rows + graph.pseudo_src
-    seed_pp = graph.path_prob.reshape(-1)[src] * graph.pseudo_prob
-    seed = (seed_pp >= bound[graph.pseudo_request]).nonzero()[0]
-    if seed.size:
-        src = src[seed]
-        blocks.append(_Nodes(graph.pseudo_request[seed], graph.pseudo_request[seed] * num_rows + graph.pseudo_dst[seed],
-                             seed_pp[seed], src if id_of_node is None else id_of_node[src], np.ones(seed.size, bool),
-                             graph.pseudo_rank[seed],
-                             graph.depth.reshape(-1)[src] + 1))
-        _grow(blocks, graph, bound, ordered_below + np.arange(seed.size), blocks[-1])
-    return _concatenate(blocks), ordered_below
-
-
-def _every_row(graph: HypothesisGraph) -> _Nodes:
-    """The tree nodes of a graph whose rows are all nodes (num_nodes = N everywhere), id = flat
-    node b * (N+1) + row: the graph's own arrays, no gathers."""
-    batch, num_rows = graph.token_ids.shape
-    request, node, not_via = _every_row_ids(batch, num_rows)
-    path_prob = graph.path_prob.reshape(-1).copy()
-    path_prob[::num_rows] = np.inf  # roots lead every ordering
-    parent_id = graph.parent_row + node.reshape(batch, num_rows)[:, :1]  # the root's -1 is overwritten
-    parent_id[:, 0] = -1
-    return _Nodes(request, node, path_prob, parent_id.reshape(-1), not_via, graph.child_rank.reshape(-1),
-                  graph.depth.reshape(-1))
-
-
-@lru_cache(maxsize=64)
-def _every_row_ids(batch: int, num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(request, flat node, False) of every row b * num_rows + r, cached read-only."""
-    node = np.arange(batch * num_rows)
-    arrays = (node // num_rows, node, np.zeros(node.size, bool))
-    for array in arrays:
-        array.flags.writeable = False
-    return arrays
-
-
-def _in_creation_order(graph: HypothesisGraph, bound: np.ndarray) -> _Nodes:
-    """The same tree nodes (but for graph nodes the bound prunes), generated depth by depth from
-    the roots so that ids follow creation order (depth, request, parent, edge rank)."""
-    batch, num_rows = graph.token_ids.shape
-    blocks = [_roots(batch, num_rows)]
-    _grow(blocks, graph, bound, np.arange(batch), blocks[0]._replace(path_prob=np.ones(batch)))
-    return _concatenate(blocks)
-
-
-def _grow(blocks: list[_Nodes], graph: HypothesisGraph, bound: np.ndarray, front_id: np.ndarray,
-          front: _Nodes) -> None:
-    """Append to `blocks` every descendant of the `front` tree nodes (ids front_id) through the
-    graph's out-edge table, one edge deeper per round, in creation order. A child less likely
-    than its request's bound is dropped with its subtree, and past 2N nodes per request also one
-    below the N-th best so far."""
-    batch = bound.size
-    width = graph.has_children.size // batch - 1
-    blow_up = batch * (2 * width + 1)
-    num_ranks = graph.out_node.size // graph.has_children.size
-    next_id = sum(block.node.size for block in blocks)
-    while front.node.size:
-        # Every out-edge slot of the front (most fronts are mostly leaves: cheaper than a filter).
-        slots = ((front.node * num_ranks)[:, None] + np.arange(num_ranks)).reshape(-1)
-        child = (graph.out_node[slots] >= 0).nonzero()[0]
-        if child.size == 0:
-            break
-        slot, from_front = slots[child], child // num_ranks
-        request = front.request[from_front]
-        path_prob = front.path_prob[from_front] * graph.out_prob[slot]
-        keep = path_prob >= bound[request]
-        if next_id + child.size > blow_up:
-            keep &= path_prob >= _nth_best_so_far(blocks, request, path_prob, batch, width)[request]
-        if not keep.all():
-            keep = keep.nonzero()[0]
-            child, slot, from_front, request, path_prob = child[keep], slot[keep], from_front[keep], request[keep], \
-                path_prob[keep]
-        front = _Nodes(request, graph.out_node[slot], path_prob, front_id[from_front],
-                       front.via[from_front] | graph.out_pseudo[slot], child - from_front * num_ranks,
-                       front.depth[from_front] + 1)
-        blocks.append(front)
-        front_id = next_id + np.arange(child.size)
-        next_id += child.size
-
-
-def _nth_best_so_far(blocks, request, path_prob, batch: int, width: int) -> np.ndarray:
-    """float64 [B]: the width-th best path prob among the nodes generated so far (roots excluded)
-    and these candidates, per request (-inf where fewer)."""
-    all_request = np.concatenate([block[0] for block in blocks[1:]] + [request])
-    all_pp = np.concatenate([block[2] for block in blocks[1:]] + [path_prob])
-    order = stable_order_small(all_request)
-    column = position_in_group(all_request[order], batch)
-    dense = np.full((batch, int(column.max()) + 1 if column.size else 1), -np.inf)
-    dense[all_request[order], column] = all_pp[order]
-    if dense.shape[1] < width:
-        return np.full(batch, -np.inf)
-    return np.partition(dense, dense.shape[1] - width, axis=1)[:, dense.shape[1] - width]
-
-
-def _flatten(graph: HypothesisGraph, nodes: _Nodes, budget: np.ndarray,
-             ordered_below: int | None) -> VerificationTree | None:
-    """Keep each request's root and budget[b] best generated nodes (path prob descending, then
-    id: shallower first, then creation order) and lay them out breadth-first (depth, then path
-    prob descending, then id). None when a tie would have to be broken by ids from
-    `ordered_below` on (not in creation order). When no request has more nodes than it keeps,
-    one sort by (request, depth, path prob descending, id) does both."""
-    batch, num_rows = graph.token_ids.shape
-    width = num_rows - 1
-    request = nodes.request
-    count = np.bincount(request, minlength=batch)  # generated nodes per request, root included
-    max_depth = int(nodes.depth.max())
-    if (count <= budget + 1).all():  # every node is kept: sort breadth-first at once
-        order = order_by_group_then_value_desc(request * (max_depth + 1) + nodes.depth, nodes.path_prob,
-                                               ordered_below)
-        if order is None:
-            return None
-    else:
-        # Best first within each request (the root, path prob +inf, leads); keep positions
-        # start[b] .. start[b] + budget[b] of request b.
-        order = order_by_group_then_value_desc(request, nodes.path_prob, ordered_below)
-        if order is None:
-            return None
-        order_request = request[order]
-        keep = (np.arange(order.size) <= (count.cumsum() - count + budget)[order_request]).nonzero()[0]
-        order, order_request = order[keep], order_request[keep]
-        count = np.minimum(count, budget + 1)
-        # Breadth-first: a stable sort by (request, depth) keeps that order within each group.
-        order = order[stable_order_small(order_request * (max_depth + 1) + nodes.depth[order])]
-    order_request = request[order]
-    row = np.arange(order.size) - (count.cumsum() - count)[order_request]  # the root is row 0
-    row_of_id = np.full(request.size, -1, dtype=np.int64)
-    row_of_id[order] = row
-    is_node = (row > 0).nonzero()[0]
-    order, row, tree_request = order[is_node], row[is_node], order_request[is_node]
-    parent = row_of_id[nodes.parent_id[order]]
-    assert (parent >= 0).all(), "top-n selection must be closed under ancestors"
-    full = order.size == batch * width  # every request has N nodes: rows are already in place
-    out = None if full else tree_request * width + row - 1
-
-    def place(values: np.ndarray, fill) -> torch.Tensor:
-        if full:
-            return torch.from_numpy(values.reshape(batch, width))
-        array = np.full(batch * width, fill, dtype=values.dtype)
-        array[out] = values
-        return torch.from_numpy(array.reshape(batch, width))
-
-    graph_node = nodes.node[order]
+    budget = np.ascontiguousarray(request_budget(node_budget, batch, num_rows - 1))
+    rows = np.empty((5, batch, num_rows - 1), dtype=np.int64)  # token, parent row, depth, graph row, child rank
+    path_prob = np.empty((batch, num_rows - 1), dtype=np.float64)
+    via = np.empty((batch, num_rows - 1), dtype=bool)
+    num_nodes = np.empty(batch, dtype=np.int64)
+    _unroll_requests(graph.token_ids, graph.path_prob, graph.num_nodes, graph.has_children, graph.out_node,
+                     graph.out_prob, graph.out_pseudo, budget, rows, path_prob, via, num_nodes)
+    token, parent, depth, graph_row, rank = rows
     return VerificationTree(
-        draft_token_ids=place(graph.token_ids.reshape(-1)[graph_node], -1),
-        parent_row=place(parent, -1),
-        depth=place(nodes.depth[order], 0),
-        num_nodes=torch.from_numpy((count - 1).astype(np.int64)),
-        ancestor_words=None,
-        path_prob=place(nodes.path_prob[order], 0.0),
-        via_merge=place(nodes.via[order], False),
-        graph_row=place(graph_node - tree_request * num_rows, -1),
-        child_rank=place(nodes.rank[order], -1),
+        draft_token_ids=torch.from_numpy(token), parent_row=torch.from_numpy(parent), depth=torch.from_numpy(depth),
+        num_nodes=torch.from_numpy(num_nodes), ancestor_words=None, path_prob=torch.from_numpy(path_prob),
+        via_merge=torch.from_numpy(via), graph_row=torch.from_numpy(graph_row), child_rank=torch.from_numpy(rank),
         num_graph_nodes=torch.from_numpy(graph.num_nodes.copy()),
         num_merges=torch.from_numpy(graph.num_merges.copy()),
         expansions_saved=torch.from_numpy(graph.expansions_saved.copy()),
     )
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _unroll_requests(token_ids, path_prob, num_nodes, has_children, out_node, out_prob, out_pseudo, budget,
+                     tree_rows, tree_path_prob, tree_via, tree_num_nodes):
+    """The trees of unroll_graph, one request at a time, written into tree_rows [5, B, N]
+    (token, parent row, depth, graph row, child rank), tree_path_prob, tree_via [B, N] and
+    tree_num_nodes [B], padding included; returns how often a bound was raised by the best
+    paths so far (a count, for tests).
+
+    The bound starts as the budget-th best graph node (each graph node is a path, along its
+    primary edges; _generate_paths prunes below it). Rows are ordered by (depth, path prob
+    descending, index); when there are more paths than the budget, the budget's best (path prob
+    descending, then index) are taken first.
+    """
+    batch, num_rows = token_ids.shape
+    width = num_rows - 1
+    num_ranks = out_node.size // (batch * num_rows)
+    tree_token, tree_parent, tree_depth, tree_graph_row, tree_rank = tree_rows
+    tree_token[:], tree_parent[:], tree_depth[:], tree_graph_row[:], tree_rank[:] = -1, -1, 0, -1, -1
+    tree_path_prob[:], tree_via[:], tree_num_nodes[:] = 0.0, False, 0
+    raised = 0
+    capacity = 4 * num_rows
+    paths = np.empty((6, capacity), np.int64)  # graph row, parent path, depth, rank, via, tree row
+    paths_pp = np.empty(capacity, np.float64)
+    for b in range(batch):
+        keep = budget[b]
+        drafted = num_nodes[b]
+        if keep == 0:
+            continue
+        bound = kth_largest(path_prob[b, 1:drafted + 1].copy(), keep) if keep <= drafted else -np.inf
+        while True:
+            count, raised_here = _generate_paths(has_children, out_node, out_prob, out_pseudo, b * num_rows,
+                                                 num_ranks, bound, keep, 2 * width + 1, paths, paths_pp)
+            if count >= 0:
+                break
+            capacity *= 2  # and again from the root: growing inside the walk would slow every step of it
+            paths = np.empty((6, capacity), np.int64)
+            paths_pp = np.empty(capacity, np.float64)
+        raised += raised_here
+        row, parent, depth, rank, via, tree_row = paths
+        rows = np.arange(1, count)  # generated breadth-first: by depth, then creation order
+        if count - 1 > keep:  # the best first (ties: created first), in creation order again
+            rows = keep_best(rows, paths_pp, keep)
+        rows = order_by_group_then_value_desc(rows, depth, paths_pp)
+        kept = rows.size
+        if kept == 0:
+            continue
+        tree_row[0] = 0
+        for column in range(kept):
+            tree_row[rows[column]] = column + 1
+        for column in range(kept):
+            path = rows[column]
+            tree_token[b, column] = token_ids[b, row[path]]
+            tree_parent[b, column] = tree_row[parent[path]]
+            tree_depth[b, column] = depth[path]
+            tree_path_prob[b, column] = paths_pp[path]
+            tree_via[b, column] = via[path] != 0
+            tree_graph_row[b, column] = row[path]
+            tree_rank[b, column] = rank[path]
+        tree_num_nodes[b] = kept
+    return raised
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _generate_paths(has_children, out_node, out_prob, out_pseudo, node_base, num_ranks, bound, keep, first_check,
+                    paths, paths_pp):
+    """Every root-to-node path of one request as likely as `bound`, breadth-first from the root
+    through the out-edge table (parents in generation order, each one's edges by rank), so a
+    path's index is its creation order. Written into paths [6, capacity] (graph row, parent
+    path, depth, rank, via merge) and paths_pp [capacity]; returns (count, bound raises), or
+    count -1 when the arrays are full.
+
+    A path less likely than the bound is dropped with its subtree (its descendants are no more
+    likely). Whenever the count doubles past first_check, the bound rises to the keep-th best
+    path so far: many copies (many merges into large subtrees) stay cheap, and the top-keep
+    paths are still all generated.
+    """
+    row, parent, depth, rank, via = paths[0], paths[1], paths[2], paths[3], paths[4]
+    capacity = paths_pp.size
+    row[0], parent[0], depth[0], rank[0], via[0], paths_pp[0] = 0, -1, 0, -1, 0, 1.0
+    count, next_check, raised = 1, first_check, 0
+    i = 0
+    while i < count:
+        parent_pp = paths_pp[i]
+        if parent_pp >= bound and has_children[node_base + row[i]]:  # (else a leaf, or below a raised bound)
+            edge = (node_base + row[i]) * num_ranks
+            for j in range(num_ranks):
+                child = out_node[edge + j]
+                if child < 0:
+                    continue
+                child_pp = parent_pp * out_prob[edge + j]
+                if child_pp < bound:
+                    continue
+                if count == capacity:
+                    return -1, raised
+                row[count] = child - node_base
+                parent[count] = i
+                depth[count] = depth[i] + 1
+                rank[count] = j
+                via[count] = 1 if via[i] != 0 or out_pseudo[edge + j] else 0
+                paths_pp[count] = child_pp
+                count += 1
+            if count > next_check:
+                best_so_far = kth_largest(paths_pp[1:count].copy(), keep)
+                if best_so_far > bound:
+                    bound = best_so_far
+                    raised += 1
+                next_check = 2 * count
+        i += 1
+    return count, raised
+
