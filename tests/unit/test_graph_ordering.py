@@ -6,11 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.graph.ordering import (
-    keep_best,
-    kth_largest,
-    order_by_group_then_value_desc,
-)
+from vllm_gsd.graph.ordering import keep_best, kth_largest, order_by_value_within_groups
 
 
 def random_values(rng, count, kind):
@@ -49,16 +45,14 @@ def test_keep_best_keeps_the_best_by_value_then_order(seed, count, kind, data):
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), count=st.integers(0, 400), groups=st.integers(1, 8), kind=kinds,
-       grouped=st.booleans())
-def test_order_by_group_then_value_desc_is_the_stable_sort(seed, count, groups, kind, grouped):
-    """Any input order (runs of 64 and merges above them); `grouped`: already by group, as the
-    breadth-first paths come."""
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(0, 700), groups=st.integers(1, 8), kind=kinds)
+def test_order_by_value_within_groups_is_the_stable_sort(seed, count, groups, kind):
+    """Items given by group (as breadth-first paths come by depth), in any order within one;
+    runs past 256 items (few groups, many items) take the merge sort."""
     rng = np.random.default_rng(seed)
     group = rng.integers(0, groups, count + 3)
     value = random_values(rng, count + 3, kind)
     items = rng.permutation(count + 3)[:count]
-    if grouped:
-        items = items[np.argsort(group[items], kind="stable")]
+    items = items[np.argsort(group[items], kind="stable")]
     expected = sorted(items.tolist(), key=lambda i: (group[i], -value[i]))  # stable: ties keep input order
-    assert order_by_group_then_value_desc(items, group, value).tolist() == expected
+    assert order_by_value_within_groups(items, group, value).tolist() == expected

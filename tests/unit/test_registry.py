@@ -58,3 +58,18 @@ def test_missing_target_is_named_before_anything_is_applied(monkeypatch):
         registry.apply("worker")
     assert "no_such_method" in str(err.value)
     assert calls == []
+
+
+def test_kernel_override_scan_passes_llvmlite():
+    """vLLM's CPU platform scans every module before a worker starts; with numba loaded (the graph
+    core compiles with it) the scan fails on llvmlite's library object unless patched."""
+    import vllm.triton_utils.dispatcher as dispatcher
+
+    from vllm_gsd.graph import warm_up
+
+    warm_up()  # numba, hence llvmlite, loaded
+    register()
+    assert registry.is_applied("vllm.triton_utils.dispatcher:_rebind_kernels")
+    dispatcher._rebind_kernels([])  # the patched scan
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+        dispatcher._rebind_kernels.__wrapped__([])  # vLLM's own

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any, Literal, get_args
 
 from vllm_gsd.engine import registry, runner_hooks
@@ -192,6 +193,31 @@ def _wrap_worker_init(original):
     return __init__
 
 
+def _wrap_rebind_kernels(original):
+    """Leave llvmlite's modules out of vLLM's scan for holders of the Triton kernels that the
+    CPU platform replaces.
+
+    The scan reads `vars(obj)` of every object in every loaded module. llvmlite's library
+    object (`llvmlite.binding.ffi.lib`, loaded with numba, which compiles the graph core) answers
+    any attribute it lacks, `__dict__` included, with a function wrapper, and the scan fails on
+    it ("'_lib_fn_wrapper' object has no attribute 'get'"), so no worker starts. No llvmlite
+    module holds a vLLM kernel.
+    """
+
+    @functools.wraps(original)
+    def _rebind_kernels(overrides):
+        hidden = {name: module for name, module in sys.modules.items()
+                  if name == "llvmlite" or name.startswith("llvmlite.")}
+        for name in hidden:
+            del sys.modules[name]
+        try:
+            return original(overrides)
+        finally:
+            sys.modules.update(hidden)
+
+    return _rebind_kernels
+
+
 CONFIG_PATCHES = [
     Patch(
         target="vllm.config.speculative:SpeculativeConfig",
@@ -234,6 +260,12 @@ CONFIG_PATCHES = [
         why="apply worker-scope patches lazily, inside worker processes",
         scope="config",
         wrap=_wrap_worker_init,
+    ),
+    Patch(
+        target="vllm.triton_utils.dispatcher:_rebind_kernels",
+        why="the CPU kernel-override scan, run before any worker starts, trips on llvmlite (numba)",
+        scope="config",
+        wrap=_wrap_rebind_kernels,
     ),
 ]
 

@@ -25,7 +25,7 @@ from numba import njit
 
 from .ancestors import ancestor_words_from_parents
 from .builder import HypothesisGraph
-from .ordering import keep_best, kth_largest, order_by_group_then_value_desc
+from .ordering import keep_best, kth_largest, order_by_value_within_groups
 
 
 @dataclass
@@ -154,7 +154,7 @@ def _unroll_requests(token_ids, path_prob, num_nodes, has_children, out_node, ou
         rows = np.arange(1, count)  # generated breadth-first: by depth, then creation order
         if count - 1 > keep:  # the best first (ties: created first), in creation order again
             rows = keep_best(rows, paths_pp, keep)
-        rows = order_by_group_then_value_desc(rows, depth, paths_pp)
+        rows = order_by_value_within_groups(rows, depth, paths_pp)
         kept = rows.size
         if kept == 0:
             continue
