@@ -5,15 +5,23 @@ not timed, nor is the target's argmax over its logits (vLLM's sampler computes i
 
     python scripts/bench_graph.py [--batch 64] [--budget 64] [--top-k 4] [--max-depth 6]
     python scripts/bench_graph.py --repeats 5 --out docs/bench/graph.md   # the committed result
+    python scripts/bench_graph.py --baseline e5bb6cf   # against the graph core of a commit
+
+A shared VM's speed drifts (by up to 1.75x within minutes here), so absolute figures of runs
+minutes apart differ; --baseline takes steps in turns with vllm_gsd/graph as it was at a git
+commit, in this process, and reports the ratio, which the drift cannot skew.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,6 +84,47 @@ def measure(params, inputs, target, runs: int) -> dict[str, list[float]]:
     return times
 
 
+def baseline_graph(commit: str):
+    """vllm_gsd/graph as it was at `commit`, imported as a separate package (its modules import
+    each other relatively)."""
+    repo = Path(__file__).resolve().parents[1]
+    root = Path(tempfile.mkdtemp(prefix="graph-baseline-"))
+    archive = subprocess.run(["git", "-C", str(repo), "archive", commit, "vllm_gsd/graph"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    (root / "vllm_gsd" / "graph").rename(root / "baseline_graph")
+    sys.path.insert(0, str(root))
+    return importlib.import_module("baseline_graph")
+
+
+def compare(params, inputs, target, runs: int, commit: str) -> list[str]:
+    """CPU seconds of whole steps (drafting, build_tree, walk_tree) in turns with the commit's
+    graph core on the same inputs: the medians and their ratio."""
+    old = baseline_graph(commit)
+    old_params = old.GraphParams(**vars(params))
+    cores = (("this", sys.modules["vllm_gsd.graph"], params), (commit, old, old_params))
+    top_ids, top_probs, roots, history, _ = inputs
+    times: dict[str, list[float]] = {name: [] for name, _, _ in cores}
+    for step in range(runs + 10):
+        for name, core, core_params in cores:
+            c0 = time.process_time()
+            builder = core.GraphBuilder(core_params, roots, history)
+            level = 0
+            while (frontier := builder.frontier()) is not None:
+                if level:
+                    builder.draft_ancestor_words
+                count = frontier.request_index.numel()
+                builder.expand(top_ids[level, :count], top_probs[level, :count])
+                level += 1
+            tree = builder.build_tree()
+            core.walk_tree(tree.draft_token_ids, tree.parent_row, tree.num_nodes, target)
+            if step >= 10:  # (the first steps compile and warm up)
+                times[name].append(time.process_time() - c0)
+    this, then = (statistics.median(times[name]) * 1e3 for name, _, _ in cores)
+    return [f"in turns with the graph core of {commit}, {runs} steps each: this {this:.3f} ms, "
+            f"{commit} {then:.3f} ms per step (medians): ratio {this / then:.3f}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=64)
@@ -91,6 +140,8 @@ def main() -> None:
                         help="repeat the timed loop (a shared VM drifts; each repeat's median is shown)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None, help="also write the report (markdown) here")
+    parser.add_argument("--baseline", default=None,
+                        help="also time the graph core of this git commit, steps in turns (see above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = GraphParams(node_budget=args.budget, top_k=args.top_k, max_depth=args.max_depth,
@@ -118,6 +169,8 @@ def main() -> None:
     for name in ("draft levels", "build_tree", "walk_tree"):
         lines.append(f"  {name:>12}: CPU median {ms(every[name]):.3f} ms (min {min(every[name]) * 1e3:.3f})")
     lines.append(f"  not counted: target argmax over [B, N+1, V] logits: CPU median {ms(every['argmax']):.3f} ms")
+    if args.baseline is not None:
+        lines += compare(params, inputs, target, args.runs * args.repeats, args.baseline)
     print("\n".join(lines))
     if args.out is not None:
         command = "python scripts/bench_graph.py " + " ".join(sys.argv[1:])

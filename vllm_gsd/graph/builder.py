@@ -147,6 +147,11 @@ class GraphBuilder:
         self._draft_words = np.tile(own_bit_words_numpy(num_rows), (batch, 1))
         self._merge_state = self._init_merge_state(roots, history_token_ids)
 
+        # What every level's kernel call takes (flat views, built once).
+        self._kernel_graph = (self._token.reshape(-1), self._parent.reshape(-1), self._depth.reshape(-1),
+                              self._edge_prob.reshape(-1), self._path_prob.reshape(-1), self._child_rank.reshape(-1),
+                              self._counts)
+        self._kernel_edges = (self._out_node, self._out_prob, self._out_pseudo, self._has_children)
         self._pseudo: list[tuple[np.ndarray, ...]] = []
         self._levels_expanded = 0
         request = np.arange(batch, dtype=np.int64)
@@ -232,15 +237,12 @@ class GraphBuilder:
         rule = (params.node_budget, params.top_k, params.merge_ngram, float(params.min_child_ratio),
                 float(params.leaf_prob), self._levels_expanded, self._levels_expanded >= params.max_depth,
                 np.uint64(_GOLDEN))
-        graph = (self._token.reshape(-1), self._parent.reshape(-1), self._depth.reshape(-1),
-                 self._edge_prob.reshape(-1), self._path_prob.reshape(-1), self._child_rank.reshape(-1), self._counts)
-        edges = (self._out_node, self._out_prob, self._out_pseudo, self._has_children)
         out = np.empty((7, tokens.size), dtype=np.int64)
         out_prob = np.empty((2, tokens.size), dtype=np.float64)
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         probs = np.ascontiguousarray(probs, dtype=np.float64)
-        num_next, num_pseudo = _expand_level(rule, request, row, path_prob, tokens, probs, graph, edges,
-                                             self._draft_words, self._merge_state, out, out_prob)
+        num_next, num_pseudo = _expand_level(rule, request, row, path_prob, tokens, probs, self._kernel_graph,
+                                             self._kernel_edges, self._draft_words, self._merge_state, out, out_prob)
         self._front = (out[0, :num_next], out[1, :num_next], out[2, :num_next], out_prob[0, :num_next])
         if num_pseudo:
             self._pseudo.append((out[3, :num_pseudo], out[4, :num_pseudo], out[5, :num_pseudo],

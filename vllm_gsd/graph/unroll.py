@@ -140,7 +140,12 @@ def _unroll_requests(token_ids, path_prob, num_nodes, has_children, out_node, ou
         drafted = num_nodes[b]
         if keep == 0:
             continue
-        bound = kth_largest(path_prob[b, 1:drafted + 1].copy(), keep) if keep <= drafted else -np.inf
+        if keep < drafted:
+            bound = kth_largest(path_prob[b, 1:drafted + 1].copy(), keep)
+        elif keep == drafted:  # (the usual case: the least likely node, without a selection)
+            bound = path_prob[b, 1:drafted + 1].min()
+        else:
+            bound = -np.inf
         while True:
             count, raised_here = _generate_paths(has_children, out_node, out_prob, out_pseudo, b * num_rows,
                                                  num_ranks, bound, keep, 2 * width + 1, paths, paths_pp)
