@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_gsd.graph import GraphBuilder, GraphParams, walk_tree
+import vllm_gsd.graph as graph_core
+from vllm_gsd.graph import GraphParams, walk_tree
 
 
 def synthetic_inputs(params: GraphParams, batch: int, vocab: int, seed: int):
@@ -42,11 +43,11 @@ def synthetic_inputs(params: GraphParams, batch: int, vocab: int, seed: int):
     return top_ids, top_probs, roots, history, logits
 
 
-def draft_levels(params, top_ids, top_probs, roots, history):
-    """The builder driven as the engine drives it: per level the frontier, the draft ancestor
-    words (for the draft forward, which levels >= 1 take: level 0's top-k comes from the target's
-    own logits at the root) and expand."""
-    builder = GraphBuilder(params, roots, history)
+def draft_levels(params, top_ids, top_probs, roots, history, core=graph_core):
+    """The builder (of the graph package `core`) driven as the engine drives it: per level the
+    frontier, the draft ancestor words (for the draft forward, which levels >= 1 take: level 0's
+    top-k comes from the target's own logits at the root) and expand."""
+    builder = core.GraphBuilder(params, roots, history)
     level = 0
     while (frontier := builder.frontier()) is not None:
         if level:
@@ -102,20 +103,13 @@ def compare(params, inputs, target, runs: int, commit: str) -> list[str]:
     graph core on the same inputs: the medians and their ratio."""
     old = baseline_graph(commit)
     old_params = old.GraphParams(**vars(params))
-    cores = (("this", sys.modules["vllm_gsd.graph"], params), (commit, old, old_params))
+    cores = (("this", graph_core, params), (commit, old, old_params))
     top_ids, top_probs, roots, history, _ = inputs
     times: dict[str, list[float]] = {name: [] for name, _, _ in cores}
     for step in range(runs + 10):
         for name, core, core_params in cores:
             c0 = time.process_time()
-            builder = core.GraphBuilder(core_params, roots, history)
-            level = 0
-            while (frontier := builder.frontier()) is not None:
-                if level:
-                    builder.draft_ancestor_words
-                count = frontier.request_index.numel()
-                builder.expand(top_ids[level, :count], top_probs[level, :count])
-                level += 1
+            builder, _ = draft_levels(core_params, top_ids, top_probs, roots, history, core)
             tree = builder.build_tree()
             core.walk_tree(tree.draft_token_ids, tree.parent_row, tree.num_nodes, target)
             if step >= 10:  # (the first steps compile and warm up)

@@ -389,7 +389,7 @@ def _expand_level(rule, front_request, front_row, front_path_prob, tokens, probs
                 for w in range(reach.shape[1]):
                     reach[node, w] = reach[parent_node, w]
                 reach[node, (row - 1) >> 6] |= np.uint64(1) << np.uint64((row - 1) & 63)
-                _insert_drafted(b, base, row, gram, drafted_table, next_same, multiplier)
+                _insert_drafted(b, base, row, cand_hash[c], gram, drafted_table, next_same)
         counts[0, b] = drafted + kept.size
         # Pseudo edges: merges into drafted nodes, then duplicates into their kept leaders.
         for f in range(first, end):
@@ -443,6 +443,12 @@ def _reaches(reach, node, m):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
+def _slot(h, mask):
+    """The first slot of hash h in a table of mask + 1 slots: its high bits (Fibonacci hashing)."""
+    return np.int64(h >> np.uint64(40)) & mask
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
 def _child_hash(gram, parent_node, t, multiplier):
     """Hash of the n-gram (gram[parent_node, 1:], t) of a proposed child."""
     h = np.uint64(0)
@@ -466,7 +472,7 @@ def _find_drafted(b, base, parent_node, t, h, gram, drafted_table):
     """The first row of request b's chain of drafted nodes with the n-gram (gram[parent_node,
     1:], t) of hash h, 0 if none."""
     mask = drafted_table.shape[1] - 1
-    slot = np.int64(h >> np.uint64(40)) & mask
+    slot = _slot(h, mask)
     while drafted_table[b, slot]:
         if _is_childs_gram(gram, base + drafted_table[b, slot], parent_node, t):
             return drafted_table[b, slot]
@@ -475,14 +481,12 @@ def _find_drafted(b, base, parent_node, t, h, gram, drafted_table):
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _insert_drafted(b, base, row, gram, drafted_table, next_same, multiplier):
-    """Add drafted row `row` of request b to its n-gram's chain (at the front)."""
+def _insert_drafted(b, base, row, h, gram, drafted_table, next_same):
+    """Add drafted row `row` of request b, whose n-gram hashes to h (its candidate's hash), to
+    its n-gram's chain (at the front)."""
     node = base + row
-    h = np.uint64(0)
-    for i in range(gram.shape[1]):
-        h = (h ^ np.uint64(gram[node, i] + 1)) * multiplier
     mask = drafted_table.shape[1] - 1
-    slot = np.int64(h >> np.uint64(40)) & mask
+    slot = _slot(h, mask)
     while drafted_table[b, slot]:
         head = drafted_table[b, slot]
         if _same_tokens(gram, base + head, node, 0):
@@ -571,7 +575,7 @@ def _same_level_leaders(stamp, first, end, width, base, tokens, front_row, cand_
             if not valid[c] or target[c]:
                 continue
             t = tokens[f, j]
-            slot = np.int64(cand_hash[c] >> np.uint64(40)) & mask
+            slot = _slot(cand_hash[c], mask)
             while level_stamp[slot] == stamp:
                 e = level_first[slot]
                 e_front = first + e // width
