@@ -34,6 +34,12 @@ MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 8192
 SERVER_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS))
 
+# vLLM's server closes a connection idle for VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s). A client that keeps
+# idle connections longer (aiohttp's default: 15 s) races the server's close: a request sent as the
+# server hangs up fails with a reset or a disconnect, and POSTs are not retried. Clients here drop
+# idle connections well before the server would.
+CLIENT_KEEPALIVE_S = 1.0
+
 
 @dataclass(frozen=True)
 class LoadRequest:
@@ -213,7 +219,10 @@ async def _send(session, url: str, model: str, request: LoadRequest, timeout_s: 
 
 async def _watch_server(session, url: str, stop: asyncio.Event, watch: ServerWatch,
                         interval_s: float) -> None:
-    """Until `stop`: /health must answer 200; /metrics gives the peak of running requests."""
+    """Until `stop`: /health must answer 200; /metrics gives the peak of running requests.
+
+    Each probe opens its own connection (as a load balancer's would): a failure is the server's,
+    never a pooled connection's keep-alive running out under the probe."""
     import aiohttp
 
     from vllm_gsd.testing.server import parse_metrics
@@ -229,7 +238,8 @@ async def _watch_server(session, url: str, stop: asyncio.Event, watch: ServerWat
                 watch.peak_running = max(watch.peak_running,
                                          int(metrics.get("vllm:num_requests_running", 0)))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            watch.health_failures.append(f"{type(exc).__name__} at check {watch.health_checks}")
+            watch.health_failures.append(
+                f"{type(exc).__name__} ({exc}) at check {watch.health_checks}")
         watch.health_checks += 1
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s)
@@ -244,9 +254,11 @@ async def _run(url, model, requests, concurrency, timeout_s, health_interval_s, 
     slots = asyncio.Semaphore(concurrency)
     watch = ServerWatch()
     stop = asyncio.Event()
-    connector = aiohttp.TCPConnector(limit=concurrency + 4)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        watcher = asyncio.create_task(_watch_server(session, url, stop, watch, health_interval_s))
+    connector = aiohttp.TCPConnector(limit=concurrency, keepalive_timeout=CLIENT_KEEPALIVE_S)
+    probes = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as session, \
+            aiohttp.ClientSession(connector=probes) as probe_session:
+        watcher = asyncio.create_task(_watch_server(probe_session, url, stop, watch, health_interval_s))
 
         async def one(request: LoadRequest) -> LoadResult:
             nonlocal in_flight, peak
