@@ -9,7 +9,15 @@ The plain-torch reference is ``vllm_gsd.graph.unroll.ancestor_words_from_parents
 and signature; tests compare against it). This Triton version gives each program ``BLOCK_R``
 rows of one request; every row climbs its parent chain in lockstep with the others (one step
 per iteration, stopping when every row reached the root), OR-ing one bit per step into a
-``[BLOCK_R, W]`` register tile. Cost ~ tree depth, not tree size.
+``[BLOCK_R, WORDS_PAD]`` register tile. Cost ~ tree depth, not tree size.
+
+Compile-time parameters (bounded compilation while serving; see _triton_compat.py): the node
+budget ``N`` can change from batch to batch, so ``_launch_constants(N)`` (pure) buckets both
+constexprs: ``WORDS_PAD`` = ``W`` rounded up to a power of two (the store is masked to the real
+``num_words``), ``BLOCK_R`` = ``N + 1`` rounded up to a power of two, clamped to ``16..64`` and
+to ``2048 / WORDS_PAD`` register words (spare rows are masked). For ``N <= 128`` that is at most
+5 binaries, ``2 + log2(max WORDS_PAD)`` in general. ``num_cols`` (``N``), ``num_words`` (``W``) and
+the per-batch strides are runtime ints without ==1 / %16 specialization.
 """
 
 from __future__ import annotations
@@ -21,12 +29,21 @@ from ._triton_compat import jit, next_pow2, require_triton, tl
 __all__ = ["ancestor_words_from_parents"]
 
 
-@jit
+def _launch_constants(n: int) -> dict:
+    """Constexprs (and ``num_warps``) of the kernel for a node budget ``n``, without launching."""
+    words_pad = next_pow2((n + 1 + 31) // 32)
+    block_r = max(1, min(64, max(16, next_pow2(n + 1)), 2048 // words_pad))
+    return dict(WORDS_PAD=words_pad, BLOCK_R=block_r, num_warps=4)
+
+
+@jit(do_not_specialize=("num_cols", "num_words", "stride_pb", "stride_ob", "stride_or"),
+     do_not_specialize_on_alignment=("PARENT", "NUM_NODES"))
 def _ancestor_words_kernel(
     PARENT, NUM_NODES, OUT,
     num_cols,  # N (node rows are 1..N)
+    num_words,  # W = cdiv(N + 1, 32) <= WORDS_PAD
     stride_pb, stride_ob, stride_or,
-    NUM_WORDS: tl.constexpr, WORDS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    WORDS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     b = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -52,7 +69,7 @@ def _ancestor_words_kernel(
         steps += 1
     tl.store(
         OUT + b * stride_ob + rows[:, None] * stride_or + offs_w[None, :], words,
-        mask=row_ok[:, None] & (offs_w[None, :] < NUM_WORDS),
+        mask=row_ok[:, None] & (offs_w[None, :] < num_words),
     )
 
 
@@ -66,11 +83,10 @@ def ancestor_words_from_parents(parent_row: torch.Tensor, num_nodes: torch.Tenso
         return out
     parent_row = parent_row.contiguous()
     num_nodes = num_nodes.to(parent_row.device).contiguous()
-    words_pad = next_pow2(num_words)
-    block_r = max(1, min(64, next_pow2(n + 1), 2048 // words_pad))
-    grid = (num_reqs, -(-(n + 1) // block_r))
+    lc = _launch_constants(n)
+    grid = (num_reqs, -(-(n + 1) // lc["BLOCK_R"]))
     _ancestor_words_kernel[grid](
-        parent_row, num_nodes, out, n, parent_row.stride(0), out.stride(0), out.stride(1),
-        NUM_WORDS=num_words, WORDS_PAD=words_pad, BLOCK_R=block_r, num_warps=4,
+        parent_row, num_nodes, out, n, num_words,
+        parent_row.stride(0), out.stride(0), out.stride(1), **lc,
     )
     return out

@@ -26,6 +26,27 @@ Two implementations with one signature:
 
 Both take ``layout="gpu"`` (``key_cache``/``value_cache`` ``[num_blocks, block_size, Hkv, D]``,
 any strides) or ``layout="cpu"`` (vLLM CPU_ATTN's chunk views; see paged_layout.py).
+
+Compile-time parameters (bounded compilation while serving; see _triton_compat.py). Every
+distinct constexpr tuple is a separate Triton compile, and a serving engine sees a new batch
+shape every step, so nothing that varies with the batch may reach a constexpr unbucketed.
+``_launch_constants`` (pure, no launch) picks them:
+
+* fixed by the model / cache: ``NUM_HQ``, ``GROUP``, ``GROUP_PAD``, ``HEAD_DIM``,
+  ``HEAD_DIM_PAD``, ``PAGE`` (cache block size), ``BLOCK_N`` (from the head size),
+  ``INPUT_PRECISION`` and ``DOT_FP32`` (from the dtype);
+* bucketed: ``BLOCK_Q`` (and ``BLOCK_M = BLOCK_Q * GROUP_PAD``, ``num_warps``) is the max query
+  length rounded up to a power of two, clamped to ``[cdiv(16, GROUP_PAD), target_m / GROUP_PAD]``
+  (<= 4 values); ``SPLIT_K`` is only ``num_splits > 1`` (2 values); the reduce kernel's
+  ``SPLITS_PAD`` is ``num_splits`` rounded up to a power of two in ``2..MAX_SPLITS`` (6 values).
+  So per (head size, head counts, block size, dtype) at most 8 forward and 6 reduce binaries;
+* runtime ints, not specialized: ``num_reqs``, ``num_tokens``, ``num_words`` (ancestor words per
+  row: only bounds the tree window, the word loads are gathers), ``num_splits`` (the forward
+  kernel only divides the KV tile range by it; a split whose range is empty stores m = -inf,
+  l = 0, acc = 0, which the reduce weights by 0) and the strides of the per-batch
+  ``block_table`` / ``ancestor_words`` tensors.
+
+``num_splits`` (given or from the heuristic) is clamped to ``1..MAX_SPLITS``.
 """
 
 from __future__ import annotations
@@ -34,12 +55,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton_compat import interpreting, jit, next_pow2, require_triton, tl
+from ._triton_compat import interpreting, jit, next_pow2, pow2_bucket, require_triton, tl
 from .paged_layout import canonical_kv
 
 __all__ = ["graph_attention", "graph_attention_ref", "visibility_mask"]
 
 _LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # KV splits per request; the reduce kernel pads the split axis to a power of two
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +167,7 @@ def _find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr)
     Request b owns tiles ``[qsl[b] // BLOCK_Q + b, qsl[b+1] // BLOCK_Q + b + 1)``, a superset
     of the ``cdiv(q_len_b, BLOCK_Q)`` tiles it needs, so the grid size ``T // BLOCK_Q + B``
     is known without reading query lengths on the host."""
-    lo: tl.int32 = 0  # annotated: loop-carried values need one type (num_reqs may be constexpr 1)
+    lo: tl.int32 = 0  # annotated: loop-carried values need one type
     hi: tl.int32 = num_reqs
     while lo < hi - 1:
         mid = (lo + hi) // 2
@@ -157,12 +179,20 @@ def _find_request(query_start_loc_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr)
     return lo
 
 
-@jit
+# Per-batch metadata: no ==1 / %16 / alignment variants (see the module docstring).
+_FWD_BATCH_INTS = ("num_reqs", "num_tokens", "num_words", "num_splits", "stride_bt", "stride_ab",
+                   "stride_ar")
+_FWD_METADATA_PTRS = ("BLOCK_TABLE", "QSL", "SEQ_LENS", "TREE_BASE", "QROW", "ANC")
+
+
+@jit(do_not_specialize=_FWD_BATCH_INTS, do_not_specialize_on_alignment=_FWD_METADATA_PTRS)
 def _graph_attn_fwd_kernel(
     Q, K, V, BLOCK_TABLE, QSL, SEQ_LENS, TREE_BASE, QROW, ANC,
     OUT, PART_M, PART_L, PART_ACC,
     scale_log2,  # softmax scale * log2(e): scores live in the exp2 domain
     num_reqs, num_tokens,
+    num_words,  # ancestor words per tree row (ancestor_words.shape[-1])
+    num_splits,  # KV splits (grid axis 2); 1 iff not SPLIT_K
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -173,9 +203,8 @@ def _graph_attn_fwd_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     PAGE: tl.constexpr,  # KV cache block size
-    NUM_WORDS: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # num_splits > 1: write partials for the reduce kernel
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # interpreter only: its tl.dot mis-handles 16-bit floats
 ):
@@ -220,7 +249,8 @@ def _graph_attn_fwd_kernel(
     last_q = tl.minimum(q_start_local + BLOCK_Q, q_len)
     kv_len = tl.where(has_tree, seq_len, tl.minimum(seq_len, ctx_len + last_q))
     num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, NUM_SPLITS)
+    # A split past the last tile gets an empty range and stores m = -inf, l = 0, acc = 0.
+    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
 
@@ -249,7 +279,7 @@ def _graph_attn_fwd_kernel(
         # for (tree row, tree key) pairs, so pure-context tiles touch no mask memory.
         rel = pos - base
         rel_c = tl.maximum(rel, 0)
-        in_tree = (rel >= 0) & (pos < seq_len) & (rel_c < 32 * NUM_WORDS)
+        in_tree = (rel >= 0) & (pos < seq_len) & (rel_c < 32 * num_words)
         need_bits = is_tree[:, None] & in_tree[None, :] & row_ok[:, None]
         words = tl.load(anc_row[:, None] + (rel_c // 32)[None, :], mask=need_bits, other=0)
         bit = (words >> (rel_c % 32)[None, :]) & 1  # arithmetic shift is fine: we keep bit 0
@@ -274,36 +304,39 @@ def _graph_attn_fwd_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT_K:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
             o.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
         )
     else:
-        # Partials are contiguous [NUM_SPLITS, num_tokens, NUM_HQ(, HEAD_DIM_PAD)] fp32.
+        # Partials are contiguous [num_splits, num_tokens, NUM_HQ(, HEAD_DIM_PAD)] fp32.
         ml_off = (split * num_tokens + tok).to(tl.int64) * NUM_HQ + head  # int64: S*T*Hq*D can pass 2^31
         tl.store(PART_M + ml_off, m_i, mask=row_ok)
         tl.store(PART_L + ml_off, l_i, mask=row_ok)
         tl.store(PART_ACC + ml_off[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
 
 
-@jit
+@jit(do_not_specialize=("num_reqs", "num_tokens", "num_splits"), do_not_specialize_on_alignment=("QSL",))
 def _graph_attn_reduce_kernel(
     OUT, PART_M, PART_L, PART_ACC, QSL,
-    num_reqs, num_tokens,
+    num_reqs, num_tokens, num_splits,
     stride_ot, stride_oh, stride_od,
     NUM_HQ: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
 ):
     """Merge split partials of one (token, head): out = sum_s w_s acc_s / sum_s w_s l_s with
-    w_s = 2^(m_s - max m). Splits that saw no visible key carry m = -inf, l = 0, acc = 0."""
+    w_s = 2^(m_s - max m). Splits that saw no visible key (an empty tile range, or only masked
+    keys) carry m = -inf, l = 0, acc = 0, and so do the padding lanes ``s >= num_splits``: their
+    weight is 2^-inf = 0. If every split is empty, max m = -inf is replaced by 0 (no NaN) and
+    the row outputs zeros."""
     tok = tl.program_id(0)
     head = tl.program_id(1)
     if tok >= tl.load(QSL + num_reqs):
         return  # padding token past the last request: the forward kernel did not write it
     offs_s = tl.arange(0, SPLITS_PAD)
-    s_ok = offs_s < NUM_SPLITS
+    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     ml_off = (offs_s * num_tokens + tok).to(tl.int64) * NUM_HQ + head
     m = tl.load(PART_M + ml_off, mask=s_ok, other=float("-inf"))
@@ -322,6 +355,71 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # interpreter: a few splits are enough to exercise the reduce path
+
+
+def _block_q_bounds(group_pad: int, head_dim_pad: int) -> tuple[int, int]:
+    """``BLOCK_Q``'s range: ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows must be >= 16 (tl.dot), and
+    one tile per request is preferred (each tile re-reads the request's KV) up to 128 rows (64
+    for big head dims)."""
+    target_m = 128 if head_dim_pad <= 128 else 64
+    lo = max(1, -(-16 // group_pad))
+    return lo, max(lo, target_m // group_pad)
+
+
+def _launch_constants(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    page: int,
+    dtype: torch.dtype,
+    num_tokens: int,
+    num_reqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    num_sms: int = 4,
+    interpret: bool = False,
+) -> dict:
+    """Launch constants of one ``graph_attention`` call, without launching (pure).
+
+    Returns ``{"fwd": {...}, "reduce": {...} or None, "num_splits": int, "num_tiles": int}``:
+    ``fwd`` / ``reduce`` hold every ``tl.constexpr`` of the two kernels plus ``num_warps`` /
+    ``num_stages`` (so a distinct dict is a distinct compile); ``num_splits`` (clamped to
+    ``1..MAX_SPLITS``) and ``num_tiles`` are runtime values (grid axes). Per-batch inputs reach
+    the constexprs only through ``BLOCK_Q`` (power-of-two bucket), ``SPLIT_K`` (bool) and
+    ``SPLITS_PAD`` (power-of-two bucket)."""
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    head_dim_pad = max(16, next_pow2(head_size))
+    bq_lo, bq_hi = _block_q_bounds(group_pad, head_dim_pad)
+    block_q = pow2_bucket(max(1, max_query_len), bq_lo, bq_hi)
+    block_m = block_q * group_pad
+    block_n = 32 if interpret else (64 if head_dim_pad <= 128 else 32)
+
+    num_tiles = num_tokens // block_q + num_reqs
+    if num_splits is None:
+        progs = (-(-num_tokens // block_q)) * num_kv_heads
+        kv_tiles = -(-max(1, max_seq_len) // block_n)
+        want = -(-2 * num_sms // max(1, progs))
+        num_splits = min(want, kv_tiles // 4 if not interpret else kv_tiles)
+    num_splits = int(max(1, min(int(num_splits), MAX_SPLITS)))
+
+    fwd = dict(
+        NUM_HQ=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, PAGE=page,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=num_splits > 1,
+        # fp32 inputs: exact fp32 dots (tf32 would be ~1e-3 off the reference); 16-bit: default.
+        INPUT_PRECISION="ieee" if dtype == torch.float32 else None,
+        DOT_FP32=bool(interpret and dtype != torch.float32),  # interpreter's 16-bit tl.dot
+        num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,  # fp32 acc lives in registers
+        num_stages=2,
+    )
+    reduce = None
+    if num_splits > 1:
+        reduce = dict(NUM_HQ=num_heads, HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad,
+                      SPLITS_PAD=next_pow2(num_splits), num_warps=4)
+    return {"fwd": fwd, "reduce": reduce, "num_splits": num_splits, "num_tiles": num_tiles}
 
 
 def graph_attention(
@@ -372,24 +470,14 @@ def graph_attention(
         max_query_len = mq if max_query_len is None else max_query_len
         max_seq_len = ms if max_seq_len is None else max_seq_len
 
-    group = num_heads // num_kv_heads
-    group_pad = next_pow2(group)
-    head_dim_pad = max(16, next_pow2(head_size))
-    # BLOCK_M rows = BLOCK_Q tokens x GROUP_PAD heads (>= 16 for tl.dot). Prefer one tile per
-    # request (each tile re-reads the request's KV), up to 128 rows (64 for big head dims).
-    target_m = 128 if head_dim_pad <= 128 else 64
-    block_q = min(max(1, target_m // group_pad), next_pow2(max(1, max_query_len)))
-    block_q = max(block_q, -(-16 // group_pad))
-    block_m = block_q * group_pad
-    block_n = 32 if interpreting() else (64 if head_dim_pad <= 128 else 32)
-
-    num_tiles = num_tokens // block_q + num_reqs
-    if num_splits is None:
-        progs = (-(-num_tokens // block_q)) * num_kv_heads
-        kv_tiles = -(-max(1, max_seq_len) // block_n)
-        want = -(-2 * _num_sms(query.device) // max(1, progs))
-        num_splits = max(1, min(want, kv_tiles // 4 if not interpreting() else kv_tiles, 64))
-    num_splits = int(max(1, num_splits))
+    lc = _launch_constants(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, page=page,
+        dtype=query.dtype, num_tokens=num_tokens, num_reqs=num_reqs,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=num_splits,
+        num_sms=_num_sms(query.device), interpret=interpreting(),
+    )
+    num_splits = lc["num_splits"]
+    head_dim_pad = lc["fwd"]["HEAD_DIM_PAD"]
 
     if num_splits > 1:
         part_m = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
@@ -399,29 +487,19 @@ def graph_attention(
     else:
         part_m = part_l = part_acc = out  # unused placeholders
 
-    # fp32 inputs: exact fp32 dots (tf32 would be ~1e-3 off the reference); 16-bit: default.
-    precision = "ieee" if query.dtype == torch.float32 else None
-    grid = (num_tiles, num_kv_heads, num_splits)
+    grid = (lc["num_tiles"], num_kv_heads, num_splits)
     _graph_attn_fwd_kernel[grid](
         query, k_all, v_all, block_table, query_start_loc, seq_lens, tree_base, query_tree_row,
         ancestor_words, out, part_m, part_l, part_acc,
-        scale * _LOG2E, num_reqs, num_tokens,
+        scale * _LOG2E, num_reqs, num_tokens, ancestor_words.shape[-1], num_splits,
         *query.stride(), *k_all.stride(), *v_all.stride(),
         block_table.stride(0), ancestor_words.stride(0), ancestor_words.stride(1),
         *out.stride(),
-        NUM_HQ=num_heads, GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad, PAGE=page,
-        NUM_WORDS=ancestor_words.shape[-1],
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        INPUT_PRECISION=precision, DOT_FP32=interpreting() and query.dtype != torch.float32,
-        num_warps=4 if block_m * head_dim_pad <= 64 * 128 else 8,  # fp32 acc lives in registers
-        num_stages=2,
+        **lc["fwd"],
     )
     if num_splits > 1:
         _graph_attn_reduce_kernel[(num_tokens, num_heads)](
-            out, part_m, part_l, part_acc, query_start_loc, num_reqs, num_tokens, *out.stride(),
-            NUM_HQ=num_heads, HEAD_DIM=head_size, HEAD_DIM_PAD=head_dim_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits),
-            num_warps=4,
+            out, part_m, part_l, part_acc, query_start_loc, num_reqs, num_tokens, num_splits,
+            *out.stride(), **lc["reduce"],
         )
     return out

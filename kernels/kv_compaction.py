@@ -16,6 +16,14 @@ source first and then scatters.
 ``[2, nb, bs, Hkv, D]``, ``"gpu_bhnc"`` or ``"cpu"`` ``[nb, Hkv, bs, 2*D]``). Positions must
 be below ``block_table.shape[1] * block_size``; rows of requests with ``num_accepted = 0`` are
 left alone.
+
+Compile-time parameters (bounded compilation while serving; see _triton_compat.py): all four
+constexprs, ``NUM_KV_HEADS``, ``HEAD_DIM``, ``PAGE`` and ``BLOCK_HD`` (the (head, dim) plane
+rounded up to a power of two, at most 1024), come from the model and cache config
+(``_launch_constants``, pure), so one binary per (model, layout) serves every batch. What varies
+with the batch (number of requests = grid, accepted lengths = loaded, ``accepted_rows`` width
+``N + 1`` = stride ``stride_ar``, the block table's width) is a runtime value; those strides
+carry no ==1 / %16 specialization.
 """
 
 from __future__ import annotations
@@ -61,7 +69,14 @@ def compact_kv_ref(
             cache[db, do] = cache[sb, so]  # RHS is a gathered copy
 
 
-@jit
+def _launch_constants(num_kv_heads: int, head_dim: int, page: int) -> dict:
+    """Constexprs (and ``num_warps``) of the kernel for one cache, without launching."""
+    return dict(NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page,
+                BLOCK_HD=min(1024, next_pow2(num_kv_heads * head_dim)), num_warps=4)
+
+
+@jit(do_not_specialize=("stride_bt", "stride_ar"),
+     do_not_specialize_on_alignment=("BLOCK_TABLE", "TREE_BASE", "ACC_ROWS", "NUM_ACC"))
 def _compact_kv_kernel(
     K, V, BLOCK_TABLE, TREE_BASE, ACC_ROWS, NUM_ACC,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -119,12 +134,9 @@ def compact_kv(
         k, v = split_kv_cache(kv_cache, layout)
         _, page, num_kv_heads, head_dim = k.shape
         assert page == block_size, f"cache block size {page} != block_size {block_size}"
-        plane = num_kv_heads * head_dim
-        block_hd = min(1024, next_pow2(plane))
-        grid = (num_reqs, -(-plane // block_hd))
+        lc = _launch_constants(num_kv_heads, head_dim, page)
+        grid = (num_reqs, -(-(num_kv_heads * head_dim) // lc["BLOCK_HD"]))
         _compact_kv_kernel[grid](
             k, v, block_table, tree_base, accepted_rows, num_accepted,
-            *k.stride(), *v.stride(), block_table.stride(0), accepted_rows.stride(0),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, PAGE=page, BLOCK_HD=block_hd,
-            num_warps=4,
+            *k.stride(), *v.stride(), block_table.stride(0), accepted_rows.stride(0), **lc,
         )

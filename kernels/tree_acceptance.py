@@ -14,6 +14,13 @@ The plain-torch reference is ``vllm_gsd.graph.acceptance.walk_tree`` (returns an
 ``AcceptedPaths`` dataclass with the same three fields). Here one program walks one request,
 holding the request's node tokens and parents in registers (``BLOCK_N >= N``) and building the
 outputs in registers, written once at the end (no ordering hazards between threads).
+
+Compile-time parameters (bounded compilation while serving; see _triton_compat.py): the only
+constexpr, ``BLOCK_N``, follows the node budget ``N`` of the batch, so ``_launch_constants(N)``
+(pure) buckets it: ``N + 1`` rounded up to a power of two, at least 16 (``num_warps`` follows
+``BLOCK_N``). For ``N <= 128`` that is at most 5 binaries (16 .. 256), ``log2(BLOCK_N / 16) + 1``
+in general. ``num_cols`` (``N``) and the strides (all ``N`` or ``N + 1``) are runtime ints
+without ==1 / %16 specialization.
 """
 
 from __future__ import annotations
@@ -25,7 +32,14 @@ from ._triton_compat import jit, next_pow2, require_triton, tl
 __all__ = ["walk_tree"]
 
 
-@jit
+def _launch_constants(n: int) -> dict:
+    """Constexprs (and ``num_warps``) of the kernel for a node budget ``n``, without launching."""
+    block_n = max(16, next_pow2(n + 1))
+    return dict(BLOCK_N=block_n, num_warps=4 if block_n <= 512 else 8)
+
+
+@jit(do_not_specialize=("num_cols", "stride_db", "stride_pb", "stride_tb", "stride_ab", "stride_ob"),
+     do_not_specialize_on_alignment=("DRAFT", "PARENT", "NUM_NODES", "TARGET"))
 def _walk_tree_kernel(
     DRAFT, PARENT, NUM_NODES, TARGET, ACC_ROWS, OUT_TOK, NUM_ACC,
     num_cols,  # N
@@ -88,6 +102,6 @@ def walk_tree(
         accepted_rows, output_token_ids, num_accepted,
         n, draft_token_ids.stride(0), parent_row.stride(0), row_target_token.stride(0),
         accepted_rows.stride(0), output_token_ids.stride(0),
-        BLOCK_N=max(16, next_pow2(n + 1)), num_warps=4 if n < 512 else 8,
+        **_launch_constants(n),
     )
     return accepted_rows, output_token_ids, num_accepted

@@ -23,7 +23,7 @@ def tiny_models():
     from vllm_gsd.testing.tiny_models import tiny_draft, tiny_target
 
     return {"target": str(tiny_target()), "perturbed": str(tiny_draft("perturbed")),
-            "same": str(tiny_draft("same"))}
+            "same": str(tiny_draft("same")), "short": str(tiny_draft("short"))}
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +45,10 @@ class _Engines:
             target = self.models["target"]
             if name == "target":
                 llm = make_llm(target)
+            elif name == "target_defaults":
+                from vllm import LLM
+
+                llm = LLM(target)  # vLLM's defaults, as the README's examples run
             elif name == "gsd":
                 llm = make_llm(target, gsd_config(self.models["perturbed"]))
             elif name == "gsd_wide":
@@ -52,6 +56,13 @@ class _Engines:
                                                   **WIDE_GSD["gsd"]))
             elif name == "gsd_same":
                 llm = make_llm(target, gsd_config(self.models["same"]))
+            elif name == "gsd_no_prefix_cache":
+                llm = make_llm(target, gsd_config(self.models["perturbed"]), enable_prefix_caching=False)
+            elif name == "gsd_short_draft":
+                llm = make_llm(target, gsd_config(self.models["short"]))
+            elif name == "gsd_eager":
+                # The one eager engine: vLLM's enforce_eager mode stays covered too.
+                llm = make_llm(target, gsd_config(self.models["perturbed"]), enforce_eager=True)
             elif name == "gsd_tp2":
                 # Two CPU workers need one core each (shared/reference/cpu-environment.md).
                 previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")

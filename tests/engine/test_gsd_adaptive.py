@@ -43,14 +43,29 @@ def _token_ids(llm, prompts, params):
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def _run(llm, prompts, params):
-    """Token ids, and the change of the engine's GSD figures while generating them."""
+def _run(llm, prompts, params, outputs: list | None = None):
+    """Token ids, and the change of the engine's GSD figures while generating them (the
+    RequestOutputs go to `outputs` if given)."""
     from vllm_gsd.engine.metrics import gsd_stats
 
     before = gsd_stats(llm)
-    token_ids = _token_ids(llm, prompts, params)
+    results = llm.generate(prompts, params, use_tqdm=False)
     after = gsd_stats(llm)
-    return token_ids, {name: getattr(after, name) - getattr(before, name) for name in vars(after)}
+    if outputs is not None:
+        outputs.extend(results)
+    delta = {name: getattr(after, name) - getattr(before, name) for name in vars(after)}
+    return [list(o.outputs[0].token_ids) for o in results], delta
+
+
+def _first_node_acceptance(outputs) -> float:
+    """Share of verified trees whose first level was accepted (vLLM's per-request histograms of
+    accepted nodes per verify step). Every tree verifies its best depth-1 node, whatever its
+    size, so this is the draft's next-token accuracy at the roots."""
+    steps = missed = 0
+    for out in outputs:
+        histogram = out.outputs[0].spec_decode_metrics.histogram
+        steps, missed = steps + sum(histogram), missed + histogram[0]
+    return 1.0 - missed / max(steps, 1)
 
 
 def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
@@ -58,8 +73,10 @@ def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
     got, delta = _run(costly_gsd, prompts, _greedy(48))
     assert got == _token_ids(engines.get("target"), prompts, _greedy(48))
     assert delta["steps_speculated"] > 0 and delta["steps_not_speculated"] == 0
-    # Verification beyond 8 tokens costs more: the policy keeps trees at <= 7 nodes.
-    assert 0 < delta["nodes_proposed"] <= 7 * delta["steps_speculated"] < delta["nodes_offered"]
+    # Verification beyond 8 tokens costs more: the policy keeps trees at <= 7 nodes, cutting
+    # some of what it drafted.
+    assert 0 < delta["nodes_proposed"] <= 7 * delta["steps_speculated"]
+    assert delta["nodes_proposed"] < delta["nodes_offered"]
     assert delta["accepted_nodes"] > 0
 
 
@@ -68,16 +85,21 @@ def test_many_requests_decode_plainly_then_speculate_as_they_finish(costly_gsd, 
     left draft again, with the draft caught up on everything it skipped."""
     prompts = _token_prompts(tokenizer, 32)
     params = [_greedy(8 + 3 * i) for i in range(32)]
-    got, delta = _run(costly_gsd, prompts, params)
+    batched: list = []
+    got, delta = _run(costly_gsd, prompts, params, batched)
     assert got == _token_ids(engines.get("target"), prompts, params)
     assert delta["steps_not_speculated"] > 0
     assert delta["steps_speculated"] > 0
-    # The draft's KV was caught up correctly: its trees are accepted about as well as those of
-    # a request that was drafted for from its first token (at least half as many nodes per tree).
-    _, alone = _run(costly_gsd, prompts[-1:], params[-1:])
-    per_tree = delta["accepted_nodes"] / max(delta["trees_verified"], 1)
-    per_tree_alone = alone["accepted_nodes"] / max(alone["trees_verified"], 1)
-    assert per_tree >= 0.5 * per_tree_alone
+    # The draft's KV was caught up correctly after the plain steps: its roots' next tokens are
+    # as often right as for the same requests drafted for from their first token (a draft
+    # reading KV it never wrote guesses far worse). Trees are smaller under load, so the
+    # first level's acceptance is compared, not the accepted nodes per tree.
+    late = [out for out, p in zip(batched, params) if p.max_tokens > 60]
+    drafted_throughout: list = []
+    _run(costly_gsd, prompts[-8:], params[-8:], drafted_throughout)
+    caught_up, throughout = _first_node_acceptance(late), _first_node_acceptance(drafted_throughout)
+    print(f"first-level acceptance: after plain steps {caught_up:.2f}, drafted throughout {throughout:.2f}")
+    assert caught_up >= 0.8 * throughout
 
 
 def test_measured_cost_curves_serve_exactly(tiny_models, engines, tokenizer):

@@ -49,6 +49,17 @@ def test_greedy_is_identical_to_target_in_a_mixed_batch(engines, tokenizer):
     assert steps > 0 and accepted > 0
 
 
+def test_greedy_is_identical_in_eager_mode_too(engines, tokenizer):
+    """The suite runs vLLM's default (compiled) mode; this twin keeps enforce_eager covered."""
+    prompts = token_prompts(tokenizer, CODE_PROMPTS)
+    params = [greedy(8 + 7 * i) for i in range(len(prompts))]
+    eager = engines.get("gsd_eager")
+    assert eager.llm_engine.vllm_config.model_config.enforce_eager
+    outputs = eager.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == generate_ids(engines.get("target"), prompts, params)
+    assert acceptance_of(outputs)[1] > 0
+
+
 def test_each_prompt_alone_equals_the_batch(engines, tokenizer):
     """Batch composition changes the trees; it must not change a single token."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS[:4])

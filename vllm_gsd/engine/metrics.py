@@ -120,9 +120,8 @@ class GsdMetrics:
 
 def worker_gsd_stats(worker) -> dict:
     """The worker's figures as a dict (installed as the worker method `gsd_stats`)."""
-    runner = getattr(worker, "model_runner", None)
-    metrics = getattr(runner, "_gsd_metrics", None)
-    return asdict(metrics.stats) if metrics is not None else {}
+    state = getattr(worker.model_runner, "gsd", None)  # None: not a gsd engine
+    return asdict(state.metrics.stats) if state is not None else {}
 
 
 def gsd_stats(llm) -> GsdStats:

@@ -123,6 +123,7 @@ def _wrap_vllm_config_post_init(original):
                 raise ValueError(
                     "pipeline_parallel_size > 1 is not supported with speculative method 'gsd'"
                 )
+            _refuse_unsupported_features(self)
             _select_gsd_attention(self)
         return original(self)
 
@@ -139,6 +140,29 @@ def _wrap_num_lookahead_tokens(original: property) -> property:
         return original.fget(self)
 
     return property(num_lookahead_tokens, doc=original.__doc__)
+
+
+def _refuse_unsupported_features(vllm_config) -> None:
+    """What the tree path cannot honour, refused by name before anything is built."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+
+    spec = vllm_config.speculative_config
+    refusals = []
+    for role, model_config in (("target", vllm_config.model_config), ("draft", spec.draft_model_config)):
+        if model_config is not None and model_config.uses_mrope:
+            refusals.append(f"the {role} model's M-RoPE positions (multimodal rotary embedding): "
+                            "tree rows are re-rotated through 1-D positions only")
+    if is_quantized_kv_cache(vllm_config.cache_config.cache_dtype):
+        refusals.append(f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r}: the graph mask "
+                        "reads the cache unquantized; use kv_cache_dtype='auto'")
+    if vllm_config.kv_transfer_config is not None:
+        refusals.append("a KV connector (kv_transfer_config): it would save the verification tree's "
+                        "KV layout before GSD compacts the accepted path")
+    if vllm_config.cache_config.kv_offloading_size:
+        refusals.append("KV offloading (kv_offloading_size): it would save the verification tree's "
+                        "KV layout before GSD compacts the accepted path")
+    if refusals:
+        raise ValueError("speculative method 'gsd' does not support " + "; ".join(refusals))
 
 
 def _select_gsd_attention(vllm_config) -> None:
@@ -162,10 +186,23 @@ def _select_gsd_attention(vllm_config) -> None:
         )
     vllm_config.attention_config.backend = triton
     vllm_config.speculative_config.attention_backend = triton
-    compilation = vllm_config.compilation_config
+    _keep_attention_out_of_cuda_graphs(vllm_config.compilation_config)
+
+
+def _keep_attention_out_of_cuda_graphs(compilation) -> None:
+    """CUDA: attention of tree rows must run eagerly, between captured pieces."""
+    from vllm.config.compilation import CUDAGraphMode
+
     if compilation.cudagraph_mode is None:
         # The mask changes every step: attention must run outside captured graphs.
         compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif compilation.cudagraph_mode.has_full_cudagraphs():
+        # A full graph is captured with the causal kernel for uniform batches (1 + N tokens per
+        # request) and replayed without the graph mask: tree rows would see their siblings.
+        raise ValueError(
+            f"compilation_config.cudagraph_mode={compilation.cudagraph_mode.name} is not supported "
+            "with speculative method 'gsd': attention of tree rows runs outside captured graphs; "
+            "use PIECEWISE or NONE, or leave cudagraph_mode unset")
 
 
 def _wrap_validate_spec_decode(original):
@@ -315,10 +352,28 @@ WORKER_PATCHES: list[Patch] = [
         wrap=runner_hooks.wrap_prepare_inputs,
     ),
     Patch(
+        target=f"{_RUNNER}._build_attention_metadata",
+        why="the target forward's trees reach its layers through their attention metadata",
+        scope="worker",
+        wrap=runner_hooks.wrap_build_attention_metadata,
+    ),
+    Patch(
         target=f"{_RUNNER}.execute_model",
-        why="the graph mask lives for the target forward only",
+        why="time the target forward for the adaptive budget; no trees outlive it",
         scope="worker",
         wrap=runner_hooks.wrap_execute_model,
+    ),
+    Patch(
+        target=f"{_RUNNER}._sample",
+        why="after the tree scorer: move the accepted nodes' KV, count the trees",
+        scope="worker",
+        wrap=runner_hooks.wrap_sample,
+    ),
+    Patch(
+        target=f"{_RUNNER}._dummy_run",
+        why="vLLM's dummy, profile and warm-up runs run the draft model too",
+        scope="worker",
+        wrap=runner_hooks.wrap_dummy_run,
     ),
     Patch(
         target=f"{_RUNNER}.propose_draft_token_ids",
@@ -334,13 +389,13 @@ WORKER_PATCHES: list[Patch] = [
     ),
     Patch(
         target=f"{_RUNNER}.initialize_kv_cache",
-        why="the adaptive node budget's cost curves, measured once the KV cache exists",
+        why="live target caches for compaction; one KV group only; the adaptive budget's cost curves",
         scope="worker",
         wrap=runner_hooks.wrap_initialize_kv_cache,
     ),
     Patch(
         target=f"{_RUNNER}.initialize_metadata_builders",
-        why="attention groups for the draft's layers",
+        why="attention groups for the draft's layers; the runner's TreeSlot for every graph builder",
         scope="worker",
         wrap=runner_hooks.wrap_initialize_metadata_builders,
     ),

@@ -42,10 +42,12 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.engine.cost_calibration import budget_cost_curves
+from vllm_gsd.engine.draft_kv import DraftKvLedger, DraftProgress
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
-from vllm_gsd.engine.tree_attention import TreeMask, graph_mask
+from vllm_gsd.engine.scorer import rows_per_chunk
+from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot
 from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree, warm_up
 from vllm_gsd.graph.budget import NodeBudgetPolicy
 
@@ -87,8 +89,9 @@ class _Forward:
 class GsdProposer(DraftModelProposer):
     """Draft model loading, KV layers and attention groups are vLLM's draft_model ones."""
 
-    def __init__(self, vllm_config, device, runner=None):
+    def __init__(self, vllm_config, device, runner, tree_slot: TreeSlot):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
+        self.tree_slot = tree_slot
         spec = self.speculative_config
         knobs = spec.gsd
         self.node_budget = spec.num_speculative_tokens
@@ -101,11 +104,12 @@ class GsdProposer(DraftModelProposer):
             leaf_prob=knobs.leaf_prob,
         )
         self.history_len = max(knobs.merge_ngram, 0)
-        self.max_model_len = vllm_config.model_config.max_model_len
+        # Positions the draft may hold: vLLM clamps the draft's max_model_len to the target's.
+        self.max_model_len = spec.draft_model_config.max_model_len
         self.trees: dict[str, ProposedTree] = {}
         self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
-        # Per request: the draft's KV is valid for positions [0, value).
-        self._draft_known: dict[str, int] = {}
+        self._draft: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
+        self._ledger: DraftKvLedger | None = None  # made once the block size is known
         # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
         self._step_times: list[tuple[str, float, float]] = []
         self._curve_seconds = 0.0  # this step's draft forwards, by the draft's cost curve
@@ -247,23 +251,26 @@ class GsdProposer(DraftModelProposer):
     def _forget_finished(self, finished_req_ids) -> None:
         for req_id in finished_req_ids:
             self.trees.pop(req_id, None)
-            self._draft_known.pop(req_id, None)
+            self._draft.pop(req_id, None)
             self._refusals_logged.discard(req_id)
 
     def _tree_candidates(self, runner, scheduler_output, req_ids, valid_sampled_token_ids
                          ) -> tuple[list[_Candidate], int]:
         """The requests that grow a tree this step, and how many other requests decode."""
         batch = runner.input_batch
+        resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
         candidates, num_plain = [], 0
         for i, req_id in enumerate(req_ids):
             num_scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if num_scheduled == 0:
                 continue
             start = int(batch.num_computed_tokens_cpu[i])
-            # Positions from `start` on are (re)computed by the target this step; after a
-            # preemption the draft's KV there is gone too.
-            known = min(self._draft_known.setdefault(req_id, start), start)
-            self._draft_known[req_id] = known
+            progress = self._draft.get(req_id)
+            if progress is None or req_id in resumed:
+                # New (perhaps with a prefix-cache hit) or resumed after a preemption: the draft
+                # KV of its cached blocks counts only where the draft wrote this very prefix.
+                progress = self._draft[req_id] = self._ledger_of(runner).resume(
+                    batch.token_ids_cpu[i], self._block_ids(runner, i), start)
             num_sampled = len(valid_sampled_token_ids[i])
             if num_sampled == 0:  # a prefill chunk: no root yet
                 continue
@@ -273,12 +280,25 @@ class GsdProposer(DraftModelProposer):
             if root_pos < start or not self._may_grow_tree(runner, i, req_id, root_pos):
                 num_plain += 1
                 continue
-            candidates.append(_Candidate(i, req_id, known, root_pos))
+            # The root is run again when the draft already holds it: its logits are needed.
+            candidates.append(_Candidate(i, req_id, min(progress.known, root_pos), root_pos))
         return candidates, num_plain
+
+    def _ledger_of(self, runner) -> DraftKvLedger:
+        if self._ledger is None:
+            self._ledger = DraftKvLedger(runner.input_batch.block_table[self.kv_cache_gid].block_size)
+        return self._ledger
+
+    def _block_ids(self, runner, batch_row: int) -> np.ndarray:
+        block_table = runner.input_batch.block_table[self.kv_cache_gid]
+        return block_table.block_table.np[batch_row, :block_table.num_blocks_per_row[batch_row]]
 
     def _may_grow_tree(self, runner, batch_row: int, req_id: str, root_pos: int) -> bool:
         state = runner.requests[req_id]
-        reason = tree_refusal_reason(state.sampling_params, len(state.output_token_ids))
+        params = state.sampling_params
+        if params is not None and params.max_tokens is not None and len(state.output_token_ids) >= params.max_tokens:
+            return False  # it has its last token: the scheduler finishes it, no tree is read
+        reason = tree_refusal_reason(params, len(state.output_token_ids))
         if reason is not None:
             if req_id not in self._refusals_logged:
                 self._refusals_logged.add(req_id)
@@ -293,7 +313,8 @@ class GsdProposer(DraftModelProposer):
         return last_slot < self.max_model_len and last_slot < allocated
 
     def _catch_up(self, runner, candidates: list[_Candidate], stats: GsdStats) -> torch.Tensor:
-        """Run the draft over each candidate's unseen tokens; return the roots' logits [R, V]."""
+        """Run the draft over each candidate's unseen tokens; return the roots' hidden states
+        [R, H]."""
         token_ids_cpu = runner.input_batch.token_ids_cpu
         cap = self.max_num_tokens
         forwards: list[list[tuple[int, int, int]]] = [[]]  # per forward: (candidate, lo, hi)
@@ -307,7 +328,7 @@ class GsdProposer(DraftModelProposer):
                 take = min(hi - lo, cap - used)
                 forwards[-1].append((k, lo, lo + take))
                 used, lo = used + take, lo + take
-        root_logits: list[torch.Tensor | None] = [None] * len(candidates)
+        root_hidden: list[torch.Tensor | None] = [None] * len(candidates)
         total_tokens = 0
         for pieces in forwards:
             fwd = _Forward(batch_rows=np.asarray([candidates[k].batch_row for k, _, _ in pieces]))
@@ -318,19 +339,21 @@ class GsdProposer(DraftModelProposer):
                 fwd.seq_lens.append(hi)
             ends_root = [j for j, (k, _, hi) in enumerate(pieces) if hi == candidates[k].root_pos + 1]
             last_token = np.cumsum([hi - lo for _, lo, hi in pieces]) - 1
-            logits = self._forward(runner, fwd, None, last_token[ends_root], stats)
+            hidden = self._forward(runner, fwd, None, last_token[ends_root], stats)
             for row, j in enumerate(ends_root):
-                root_logits[pieces[j][0]] = logits[row]
+                root_hidden[pieces[j][0]] = hidden[row]
             total_tokens += int(last_token[-1] + 1)
         stats.draft_tokens_computed += total_tokens
         stats.levels_drafted += 1
         if self.policy is not None:
             self.policy.observe_forward(0, total_tokens, len(candidates))
+        ledger = self._ledger_of(runner)
         for candidate in candidates:
-            self._draft_known[candidate.req_id] = candidate.root_pos + 1
-        return torch.stack(root_logits)
+            ledger.advance(self._draft[candidate.req_id], token_ids_cpu[candidate.batch_row],
+                           self._block_ids(runner, candidate.batch_row), candidate.root_pos + 1)
+        return torch.stack(root_hidden)
 
-    def _grow(self, runner, candidates: list[_Candidate], root_logits: torch.Tensor,
+    def _grow(self, runner, candidates: list[_Candidate], root_hidden: torch.Tensor,
               num_plain: int, stats: GsdStats, explore: bool = False) -> VerificationTree:
         token_ids_cpu = runner.input_batch.token_ids_cpu
         batch_rows = np.asarray([c.batch_row for c in candidates], dtype=np.int64)
@@ -344,25 +367,23 @@ class GsdProposer(DraftModelProposer):
                 token_ids_cpu[batch_rows[ok], pos[ok]].astype(np.int64))
         builder = GraphBuilder(self.graph_params, roots, history)
         policy = self.policy
-        frontier_logits, level = root_logits, 0
+        frontier_hidden, level = root_hidden, 0
         while (frontier := builder.frontier()) is not None:
-            if frontier_logits is None:
+            if frontier_hidden is None:
                 if policy is not None and not self._next_level_pays(builder, frontier, len(candidates),
                                                                     num_plain, level):
                     break
-                frontier_logits = self._expand_level(runner, builder, frontier, batch_rows, root_pos, stats)
+                frontier_hidden = self._expand_level(runner, builder, frontier, batch_rows, root_pos, stats)
                 num_rows = int(frontier.request_index.numel())
                 stats.draft_tokens_computed += num_rows
                 stats.levels_drafted += 1
                 if policy is not None:
                     policy.observe_forward(level, num_rows, len(candidates))
-            probs = torch.softmax(frontier_logits.float(), dim=-1)
-            top_probs, top_tokens = probs.topk(self.graph_params.top_k, dim=-1)
-            top_probs, top_tokens = top_probs.cpu(), top_tokens.cpu()
+            top_tokens, top_probs = self._children(frontier_hidden, stats)
             builder.expand(top_tokens, top_probs)
             if policy is not None:
                 policy.observe_children(top_probs[:, 0].double().numpy())
-            frontier_logits, level = None, level + 1
+            frontier_hidden, level = None, level + 1
         tree = builder.build_tree()
         stats.nodes_offered += int(tree.num_nodes.sum())
         if policy is not None:
@@ -386,7 +407,7 @@ class GsdProposer(DraftModelProposer):
     def _expand_level(self, runner, builder: GraphBuilder, frontier, batch_rows: np.ndarray,
                       root_pos: np.ndarray, stats: GsdStats) -> torch.Tensor:
         """Draft forwards over the frontier rows of every request (one, unless the rows exceed
-        max_num_batched_tokens); logits per frontier row, in the frontier's order."""
+        max_num_batched_tokens); hidden states per frontier row, in the frontier's order."""
         request = frontier.request_index.numpy()
         order = np.argsort(request, kind="stable")  # a forward wants rows grouped by request
         request, node_row = request[order], frontier.node_row.numpy()[order]
@@ -394,7 +415,7 @@ class GsdProposer(DraftModelProposer):
         requests, starts = np.unique(request, return_index=True)
         ends = np.append(starts[1:], len(request))
         ancestor_words = builder.draft_ancestor_words
-        logits = []
+        hidden = []
         for group in _groups_within(ends - starts, self.max_num_tokens):
             level = _Forward(batch_rows=batch_rows[requests[group]])
             for b, s, e in zip(requests[group], starts[group], ends[group]):
@@ -404,24 +425,26 @@ class GsdProposer(DraftModelProposer):
                 level.kv_positions.append(base + node_row[s:e])
                 level.seq_lens.append(int(base + node_row[s:e].max() + 1))
             rows = slice(starts[group[0]], ends[group[-1]])
-            mask = TreeMask(
-                request_index=torch.arange(len(group), dtype=torch.int64),
-                tree_base=torch.from_numpy(root_pos[requests[group]].astype(np.int32)),
+            lengths = ends[group] - starts[group]
+            query_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            attention = TreeAttention.build(
+                request_index=np.arange(len(group)), query_start=query_start, query_len=lengths,
+                tree_base=root_pos[requests[group]],
                 ancestor_words=ancestor_words[torch.from_numpy(requests[group])],
-                query_tree_row=torch.from_numpy(node_row[rows].astype(np.int32)),
-            )
-            logits.append(self._forward(runner, level, mask, np.arange(rows.stop - rows.start), stats))
+                query_tree_row=node_row[rows], device=self.device)
+            hidden.append(self._forward(runner, level, attention, np.arange(rows.stop - rows.start), stats))
         # Back to the builder's frontier order.
-        sorted_logits = torch.cat(logits)
-        unsorted = torch.empty_like(sorted_logits)
-        unsorted[torch.from_numpy(order)] = sorted_logits
+        sorted_hidden = torch.cat(hidden)
+        unsorted = torch.empty_like(sorted_hidden)
+        unsorted[torch.from_numpy(order).to(unsorted.device)] = sorted_hidden
         return unsorted
 
     # ------------------------------------------------------------------------------ forward
 
-    def _forward(self, runner, fwd: _Forward, mask: TreeMask | None,
+    def _forward(self, runner, fwd: _Forward, tree: TreeAttention | None,
                  sample_index: np.ndarray, stats: GsdStats) -> torch.Tensor:
-        """Run the draft over `fwd`; return logits [len(sample_index), V] of the given tokens."""
+        """Run the draft over `fwd` (graph-masked where `tree` says); return the hidden states
+        [len(sample_index), H] of the given tokens."""
         device = self.device
         lengths = np.asarray([len(t) for t in fwd.token_ids], dtype=np.int64)
         num_tokens = int(lengths.sum())
@@ -454,21 +477,52 @@ class GsdProposer(DraftModelProposer):
             positions=positions,
             seq_lens_cpu_upper_bound=seq_lens,
         )
-        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(common)
+        with self.tree_slot.holding(tree):
+            _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(common)
         started = time.perf_counter()
         with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=num_tokens,
-                                 slot_mapping=self._get_slot_mapping(num_tokens, slot_mapping)), \
-                graph_mask(mask):
+                                 slot_mapping=self._get_slot_mapping(num_tokens, slot_mapping)):
             hidden_states = self.model(input_ids=token_ids, positions=positions)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
-        body_done = time.perf_counter()
-        logits = self.model.compute_logits(hidden_states[torch.from_numpy(sample_index).to(device)])
-        stats.draft_model_us += int((body_done - started) * 1e6)
+        stats.draft_model_us += int((time.perf_counter() - started) * 1e6)
         if self.policy is not None:
             self._curve_seconds += float(self.policy.draft_cost(num_tokens))
-        stats.draft_logits_us += int((time.perf_counter() - body_done) * 1e6)
-        return logits
+        return hidden_states[torch.from_numpy(sample_index).to(device)]
+
+    def _children(self, hidden: torch.Tensor, stats: GsdStats) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's top_k children of each row: (tokens int64 [R, k], probs float32 [R, k]),
+        CPU. The LM head and its softmax run in row chunks (one [chunk, V] float32 copy at a time)."""
+        started = time.perf_counter()
+        tokens, probs = [], []
+        chunk = rows_per_chunk(self._vocab_size)
+        for lo in range(0, hidden.shape[0], chunk):
+            logits = self.model.compute_logits(hidden[lo:lo + chunk])
+            top_probs, top_tokens = torch.softmax(logits.float(), dim=-1).topk(self.graph_params.top_k, dim=-1)
+            tokens.append(top_tokens.cpu())
+            probs.append(top_probs.cpu())
+        stats.draft_logits_us += int((time.perf_counter() - started) * 1e6)
+        return torch.cat(tokens), torch.cat(probs)
+
+    # ------------------------------------------------------------------------------ dummy runs
+
+    @torch.inference_mode()
+    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
+        """vLLM's dummy, profile and warm-up runs: the draft's largest forward (num_tokens rows,
+        no attention metadata, as vLLM's own dummy forwards) and its largest LM-head chunk, so
+        that they are compiled and counted in the memory profile. No tree, no request state."""
+        num_tokens = min(num_tokens, self.max_num_tokens)
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+            hidden_states = self.model(input_ids=self.input_ids[:num_tokens],
+                                       positions=self._get_positions(num_tokens))
+        if isinstance(hidden_states, tuple):
+            hidden_states = hidden_states[0]
+        rows = min(num_tokens, rows_per_chunk(self._vocab_size))
+        self._children(torch.rand_like(hidden_states[:rows]), GsdStats())
+
+    @property
+    def _vocab_size(self) -> int:
+        return self.draft_model_config.get_vocab_size()
 
 
 def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:

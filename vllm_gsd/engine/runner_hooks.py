@@ -1,48 +1,65 @@
 """How the V1 model runner runs GSD: the wrappers that engine/patches.py installs.
 
 Per step of a gsd engine:
-* `_prepare_inputs` (after vLLM's): every request whose scheduled draft tokens are a proposed tree
-  gets its node rows re-rotated to tree_base + depth (their KV slots stay tree_base + row), and the
-  forward gets the tree's graph mask (engine/tree_attention.py). Draft tokens that match no
-  proposed tree (e.g. after a preemption) are verified as a chain, which is also a tree.
-* `execute_model`: the graph mask lives for the target forward only.
-* the rejection sampler is GsdRejectionSampler (engine/scorer.py), which also compacts the KV;
-  the sampler is GsdSampler, told each step (in `_prepare_inputs`) which roots are drawn from
-  u(seed, position), and a partial prefill's discarded row leaves its request's generator alone;
+* `_prepare_inputs` (after vLLM's): the step's trees become one `TreeBatch`
+  (engine/tree_batch.py): every request whose scheduled draft tokens are a proposed tree gets
+  its node rows re-rotated to tree_base + depth (their KV slots stay tree_base + row); draft
+  tokens that match no proposed tree (e.g. after a preemption) are verified as a chain, which is
+  also a tree. The TreeBatch rides to the scorer in the spec-decode metadata
+  (`TreeSpecDecodeMetadata`), and its attention inputs to the layers through the runner's
+  `TreeSlot`, held while `_build_attention_metadata` builds this forward's metadata.
+* `_sample`: the rejection sampler is GsdRejectionSampler (engine/scorer.py), which scores the
+  trees; then the accepted nodes' KV moves to consecutive positions (`_compact_target_kv`) and
+  GSD's counters are updated. The sampler is GsdSampler, told each step (in `_prepare_inputs`)
+  which roots are drawn from u(seed, position), and a partial prefill's discarded row leaves its
+  request's generator alone.
+* `_dummy_run` (vLLM's dummy, profile and warm-up runs): the draft model runs too, as vLLM runs
+  its own draft_model drafter there; no tree, no request state.
 * `propose_draft_token_ids`: GsdProposer.propose_tree on the sampled tokens (after bookkeeping);
-* `initialize_metadata_builders`: the draft layers get their attention groups, as for draft_model;
-* `initialize_kv_cache`: then the drafter's adaptive node budget gets its cost curves.
+* `initialize_kv_cache`: the live target caches are listed for compaction, the attention
+  builders get the runner's TreeSlot (target and draft layers), and the drafter's adaptive node
+  budget gets its cost curves.
+
+All per-runner GSD state is one `GsdRunnerState`, the runner's `gsd` attribute.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from vllm_gsd.engine.config import is_gsd
 from vllm_gsd.engine.eligibility import tree_refusal_reason
+from vllm_gsd.engine.graph_attention_backend import install_tree_slot
 from vllm_gsd.engine.metrics import GsdMetrics
-from vllm_gsd.engine.tree_attention import TreeMask, current_graph_mask, set_graph_mask
-from vllm_gsd.graph import ancestor_words_from_parents
+from vllm_gsd.engine.tree_batch import (
+    TreeAttention,
+    TreeBatch,
+    TreeSlot,
+    TreeSpecDecodeMetadata,
+    build_tree_batch,
+    chain_trees,
+)
 
 
 @dataclass
-class VerifyStep:
-    """The trees verified in this step, by runner batch index."""
+class GsdRunnerState:
+    """What a gsd runner keeps besides vLLM's state."""
 
-    parent_row: list[torch.Tensor | None]  # per request: int64 [n] or None (no drafts)
-    depth: list[torch.Tensor | None]  # per request: int64 [n]
-    via_merge: list[torch.Tensor | None]
-    tree_base: np.ndarray  # int64 [B]: KV position of row 0 (the root)
-    seed: list[int | None]  # per request: sampling seed, if any
+    metrics: GsdMetrics = field(default_factory=GsdMetrics)
+    tree_slot: TreeSlot = field(default_factory=TreeSlot)
+    # The target forward's trees, from _prepare_inputs until its attention metadata is built.
+    pending_attention: TreeAttention | None = None
+    # Every target layer's live KV cache (one per distinct tensor), listed at KV-cache setup.
+    target_kv_caches: list[torch.Tensor] = field(default_factory=list)
 
 
 def _gsd_runner(runner) -> bool:
-    return is_gsd(getattr(runner, "speculative_config", None))
+    return is_gsd(runner.speculative_config) and hasattr(runner, "drafter")
 
 
 def wrap_runner_init(original):
@@ -63,16 +80,13 @@ def wrap_runner_init(original):
             original(self, vllm_config, device, *args, **kwargs)
         finally:
             spec.method = "gsd"
-        self._gsd_metrics = GsdMetrics()
-        if hasattr(self, "drafter"):
-            self.drafter = GsdProposer(vllm_config, self.device, self)
-            self.drafter.metrics = self._gsd_metrics
+        self.gsd = GsdRunnerState()
+        if hasattr(self, "drafter"):  # the last pipeline rank
+            self.drafter = GsdProposer(vllm_config, self.device, self, self.gsd.tree_slot)
+            self.drafter.metrics = self.gsd.metrics
             self.sampler = GsdSampler(logprobs_mode=self.sampler.logprobs_mode,
                                       use_fp64_gumbel=self.sampler.use_fp64_gumbel)
             self.rejection_sampler = GsdRejectionSampler(self.sampler, spec, self.device)
-            self.rejection_sampler.compact_kv = functools.partial(_compact_target_kv, self)
-            self.rejection_sampler.metrics = self._gsd_metrics
-        self._gsd_target_kv_caches = None
 
     return __init__
 
@@ -80,43 +94,98 @@ def wrap_runner_init(original):
 def wrap_prepare_inputs(original):
     @functools.wraps(original)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        result = original(self, scheduler_output, num_scheduled_tokens)
-        if _gsd_runner(self) and hasattr(self, "drafter"):
-            _prepare_tree_verification(self, scheduler_output, num_scheduled_tokens)
-        return result
+        logits_indices, spec_decode_metadata, *rest = original(self, scheduler_output, num_scheduled_tokens)
+        if not _gsd_runner(self):
+            return (logits_indices, spec_decode_metadata, *rest)
+        _park_generators_of_discarded_rows(self)
+        self.sampler.keyed = _keyed_roots(self, scheduler_output, num_scheduled_tokens)
+        if spec_decode_metadata is not None:
+            tree = _verification_trees(self, scheduler_output, num_scheduled_tokens)
+            self.gsd.pending_attention = tree.attention if tree.attention.request_index.numel() else None
+            spec_decode_metadata = TreeSpecDecodeMetadata.wrap(spec_decode_metadata, tree)
+        return (logits_indices, spec_decode_metadata, *rest)
 
     return _prepare_inputs
 
 
+def wrap_build_attention_metadata(original):
+    """The layers of the target forward being prepared see its trees in their metadata."""
+
+    @functools.wraps(original)
+    def _build_attention_metadata(self, *args, **kwargs):
+        if not _gsd_runner(self) or self.gsd.pending_attention is None:
+            return original(self, *args, **kwargs)
+        tree, self.gsd.pending_attention = self.gsd.pending_attention, None
+        with self.gsd.tree_slot.holding(tree):
+            return original(self, *args, **kwargs)
+
+    return _build_attention_metadata
+
+
 def wrap_execute_model(original):
     @functools.wraps(original)
-    def execute_model(self, *args, **kwargs):
+    def execute_model(self, scheduler_output, *args, **kwargs):
         if not _gsd_runner(self):
-            return original(self, *args, **kwargs)
+            return original(self, scheduler_output, *args, **kwargs)
         started = time.perf_counter()
+        verified_trees = bool(scheduler_output.scheduled_spec_decode_tokens)
         try:
-            return original(self, *args, **kwargs)
+            return original(self, scheduler_output, *args, **kwargs)
         finally:
-            verified_trees = current_graph_mask() is not None
-            set_graph_mask(None)
+            self.gsd.pending_attention = None
             seconds = time.perf_counter() - started
-            self._gsd_metrics.add(target_forward_us=int(seconds * 1e6))
-            scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-            if hasattr(self, "drafter") and scheduler_output is not None:
-                self.drafter.record_target_forward(scheduler_output.total_num_scheduled_tokens,
-                                                   seconds, verified_trees)
+            self.gsd.metrics.add(target_forward_us=int(seconds * 1e6))
+            self.drafter.record_target_forward(scheduler_output.total_num_scheduled_tokens,
+                                               seconds, verified_trees)
 
     return execute_model
 
 
-def wrap_initialize_kv_cache(original):
-    """Once the KV cache exists, the adaptive node budget may time forwards for its cost curves."""
+def wrap_sample(original):
+    """Score (vLLM's sampler slots), then move the accepted nodes' KV and count the trees."""
 
     @functools.wraps(original)
-    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
-        result = original(self, kv_cache_config, *args, **kwargs)
-        is_profiling = kwargs.get("is_profiling", args[0] if args else False)
-        if _gsd_runner(self) and hasattr(self, "drafter") and not is_profiling:
+    def _sample(self, logits, spec_decode_metadata):
+        if not _gsd_runner(self) or not isinstance(spec_decode_metadata, TreeSpecDecodeMetadata):
+            return original(self, logits, spec_decode_metadata)
+        started = time.perf_counter()
+        output = original(self, logits, spec_decode_metadata)
+        scored = time.perf_counter()
+        tree = spec_decode_metadata.tree
+        _compact_target_kv(self, tree, output.accepted)
+        self.gsd.metrics.add(verify_us=int((scored - started) * 1e6),
+                             kv_compaction_us=int((time.perf_counter() - scored) * 1e6),
+                             **_tree_counts(tree, output.accepted))
+        return output
+
+    return _sample
+
+
+def wrap_dummy_run(original):
+    """vLLM's dummy runs (profile, warm-up, compile) run the draft model as well."""
+
+    @functools.wraps(original)
+    def _dummy_run(self, num_tokens, *args, **kwargs):
+        result = original(self, num_tokens, *args, **kwargs)
+        if _gsd_runner(self):
+            self.drafter.dummy_run(num_tokens)
+        return result
+
+    return _dummy_run
+
+
+def wrap_initialize_kv_cache(original):
+    """List the live target caches; once the real KV cache exists, the adaptive node budget
+    may time forwards for its cost curves."""
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
+        if not _gsd_runner(self):
+            return original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        _refuse_several_kv_groups(kv_cache_config)
+        result = original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        self.gsd.target_kv_caches = _target_kv_caches(self)
+        if not is_profiling:
             self.drafter.prepare_policy(self)
         return result
 
@@ -149,13 +218,25 @@ def wrap_initialize_metadata_builders(original):
     @functools.wraps(original)
     def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes):
         original(self, kv_cache_config, kernel_block_sizes)
-        if _gsd_runner(self) and hasattr(self, "drafter"):
+        if _gsd_runner(self):
             self.drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+            install_tree_slot(self.attn_groups, self.gsd.tree_slot)
+            install_tree_slot(self.drafter.draft_attn_groups, self.gsd.tree_slot)
 
     return initialize_metadata_builders
 
 
 # ------------------------------------------------------------------------------------------
+
+
+def _refuse_several_kv_groups(kv_cache_config) -> None:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        raise NotImplementedError(
+            "speculative method 'gsd' does not support models whose KV cache has several groups "
+            f"({len(groups)}: e.g. hybrid attention, sliding-window and full layers): tree "
+            "verification moves the accepted nodes' KV through one block table"
+        )
 
 
 def _park_generators_of_discarded_rows(runner) -> None:
@@ -204,22 +285,22 @@ def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
     return keyed
 
 
-def _prepare_tree_verification(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> None:
-    _park_generators_of_discarded_rows(runner)
-    runner.sampler.keyed = _keyed_roots(runner, scheduler_output, num_scheduled_tokens)
+def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> TreeBatch:
+    """This step's TreeBatch; tree rows re-rotated at tree_base + depth in runner.positions."""
     batch = runner.input_batch
     num_reqs = batch.num_reqs
     proposed = runner.drafter.trees
-    query_start = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(num_scheduled_tokens[:num_reqs], out=query_start[1:])
-    parent_rows: list[torch.Tensor | None] = [None] * num_reqs
-    depths: list[torch.Tensor | None] = [None] * num_reqs
-    via_merge: list[torch.Tensor | None] = [None] * num_reqs
-    seeds: list[int | None] = [None] * num_reqs
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_scheduled_tokens[:num_reqs], out=query_start_loc[1:])
+    num_draft = [0] * num_reqs
+    for req_id, draft_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
+        num_draft[batch.req_id_to_index[req_id]] = len(draft_tokens)
+    # Drafts we did not propose as a tree are verified as a chain.
+    parent_row, depth = chain_trees(num_draft)
+    via_merge = torch.zeros(parent_row.shape, dtype=torch.bool)
     tree_base = np.zeros(num_reqs, dtype=np.int64)
-    query_tree_row = np.full(int(query_start[-1]), -1, dtype=np.int32)
-    tree_requests = []
-    positions = runner.positions
+    seeds: list[int | None] = [None] * num_reqs
+    rotated_rows, rotated_positions = [], []
     for req_id, draft_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
         num_nodes = len(draft_tokens)
         if num_nodes == 0:
@@ -228,72 +309,63 @@ def _prepare_tree_verification(runner, scheduler_output, num_scheduled_tokens: n
         tree = proposed.get(req_id)
         if (tree is not None and num_nodes <= tree.draft_token_ids.numel()
                 and tree.draft_token_ids[:num_nodes].tolist() == list(draft_tokens)):
-            parent, depth = tree.parent_row[:num_nodes], tree.depth[:num_nodes]
-            via_merge[i] = tree.via_merge[:num_nodes]
-        else:  # drafts we did not propose as a tree: a chain
-            parent = torch.arange(num_nodes, dtype=torch.int64)
-            depth = torch.arange(1, num_nodes + 1, dtype=torch.int64)
+            parent_row[i, :num_nodes] = tree.parent_row[:num_nodes]
+            depth[i, :num_nodes] = tree.depth[:num_nodes]
+            via_merge[i, :num_nodes] = tree.via_merge[:num_nodes]
         root_offset = int(num_scheduled_tokens[i]) - num_nodes - 1
-        base = int(batch.num_computed_tokens_cpu[i]) + root_offset
-        first = int(query_start[i]) + root_offset
-        positions[first + 1: first + 1 + num_nodes] = (base + depth).to(positions.device)
-        query_tree_row[first: first + 1 + num_nodes] = np.arange(num_nodes + 1)
-        parent_rows[i], depths[i], tree_base[i] = parent, depth, base
+        tree_base[i] = int(batch.num_computed_tokens_cpu[i]) + root_offset
+        first = int(query_start_loc[i]) + root_offset
+        rotated_rows.append(np.arange(first + 1, first + 1 + num_nodes))
+        rotated_positions.append(tree_base[i] + depth[i, :num_nodes].numpy())
         params = runner.requests[req_id].sampling_params
         seeds[i] = None if params is None else params.seed
-        tree_requests.append(i)
+    if rotated_rows:  # one copy for the whole batch
+        rows = torch.from_numpy(np.concatenate(rotated_rows)).to(runner.positions.device)
+        runner.positions[rows] = torch.from_numpy(np.concatenate(rotated_positions)).to(runner.positions.device)
+    return build_tree_batch(parent_row, depth, torch.tensor(num_draft, dtype=torch.int64), tree_base,
+                            via_merge, seeds, query_start_loc, runner.device)
 
-    step = VerifyStep(parent_row=parent_rows, depth=depths, via_merge=via_merge,
-                      tree_base=tree_base, seed=seeds)
-    runner.rejection_sampler.verify_step = step
-    if not tree_requests:
-        set_graph_mask(None)
-        return
-    tree_requests.sort()
-    max_nodes = max(parent_rows[i].numel() for i in tree_requests)
-    parent_padded = torch.full((len(tree_requests), max_nodes), -1, dtype=torch.int64)
-    num_nodes = torch.zeros(len(tree_requests), dtype=torch.int64)
-    for k, i in enumerate(tree_requests):
-        n = parent_rows[i].numel()
-        parent_padded[k, :n] = parent_rows[i]
-        num_nodes[k] = n
-    set_graph_mask(TreeMask(
-        request_index=torch.tensor(tree_requests, dtype=torch.int64),
-        tree_base=torch.from_numpy(tree_base[tree_requests].astype(np.int32)),
-        ancestor_words=ancestor_words_from_parents(parent_padded, num_nodes),
-        query_tree_row=torch.from_numpy(query_tree_row),
-    ))
+
+def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:
+    """GSD's verification counters for one step."""
+    num_nodes = tree.num_nodes.tolist()
+    num_accepted = accepted.num_accepted.tolist()
+    trees = [b for b, n in enumerate(num_nodes) if n]
+    through_merge = 0
+    for b in trees:
+        a = num_accepted[b]
+        if a:
+            path = accepted.accepted_rows[b, 1:a + 1].cpu() - 1
+            through_merge += bool(tree.via_merge[b, path].any())
+    return {"trees_verified": len(trees), "nodes_verified": sum(num_nodes),
+            "accepted_nodes": sum(num_accepted[b] for b in trees), "paths_through_merge": through_merge}
 
 
 def _target_kv_caches(runner) -> list[torch.Tensor]:
-    if runner._gsd_target_kv_caches is None:
-        draft_layers = getattr(runner.drafter, "_draft_attn_layer_names", set())
-        forward_context = runner.compilation_config.static_forward_context
-        caches, seen = [], set()
-        for name, layer in forward_context.items():
-            kv_cache = getattr(layer, "kv_cache", None)
-            if name in draft_layers or not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
-                continue
-            if kv_cache.data_ptr() not in seen:  # KV-sharing layers alias one tensor
-                seen.add(kv_cache.data_ptr())
-                caches.append(kv_cache)
-        runner._gsd_target_kv_caches = caches
-    return runner._gsd_target_kv_caches
+    """The target layers' KV cache tensors, as bound now (KV-sharing layers alias one)."""
+    draft_layers = runner.drafter._draft_attn_layer_names
+    caches, seen = [], set()
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        kv_cache = getattr(layer, "kv_cache", None)  # not every context entry is an attention layer
+        if name in draft_layers or not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+            continue
+        if kv_cache.data_ptr() not in seen:
+            seen.add(kv_cache.data_ptr())
+            caches.append(kv_cache)
+    return caches
 
 
-def _compact_target_kv(runner, accepted) -> None:
+def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
     """Move each request's accepted nodes' KV to consecutive positions after its root."""
     from vllm_gsd.kernels.kv_compaction import compact_kv, compact_kv_ref
 
-    step: VerifyStep = runner.rejection_sampler.verify_step
     num_accepted = accepted.num_accepted
     if int(num_accepted.max()) == 0:
         return
-    gid = runner.drafter.kv_cache_gid if runner.drafter.kv_cache_gid >= 0 else 0
-    block_table = runner.input_batch.block_table[gid]
+    block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
     table = block_table.get_device_tensor(runner.input_batch.num_reqs)
-    tree_base = torch.from_numpy(step.tree_base.astype(np.int32)).to(table.device)
+    tree_base = torch.from_numpy(tree.tree_base.astype(np.int32)).to(table.device)
     on_cpu = table.device.type == "cpu"
     compact = compact_kv_ref if on_cpu else compact_kv
-    compact(_target_kv_caches(runner), table, block_table.block_size, tree_base,
+    compact(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
             accepted.accepted_rows, num_accepted, layout="cpu" if on_cpu else "gpu_bhnc")

@@ -22,13 +22,13 @@ The walk (vllm_gsd.graph.walk_tree) follows the child equal to the row's token, 
 stops. Every emitted token is thus the target's own choice (greedy) or a real draw from the
 target's distribution (sampling) given its accepted prefix: exact, for any tree.
 
-After the walk, the accepted nodes' KV in every target layer moves from KV position
-tree_base + row to tree_base + k (vllm_gsd.kernels.kv_compaction), so the cache is linear again.
+The result carries the accepted rows too (`TreeSamplerOutput.accepted`): the runner hook moves
+the accepted nodes' KV to consecutive positions (engine/runner_hooks.py). Vocabulary-sized float
+copies are made in row chunks of at most MAX_CHUNK_BYTES.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +38,7 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_gsd.engine.tree_batch import TreeSpecDecodeMetadata, chain_trees
 from vllm_gsd.graph import AcceptedPaths, sample_rows, walk_tree
 from vllm_gsd.graph.counter_rng import counter_uniforms
 
@@ -93,24 +94,38 @@ class GsdSampler(Sampler):
         return sampled, processed_logprobs
 
 
+@dataclass
+class TreeSamplerOutput(SamplerOutput):
+    """vLLM's SamplerOutput plus the accepted paths (rows), which the runner hook needs to
+    compact the KV cache and count what was accepted."""
+
+    accepted: AcceptedPaths | None = None
+
+
+# The most bytes one float32 copy of vocabulary-sized rows may take in the scorer: rows are
+# processed in chunks of at most this size (vLLM's memory profile runs the largest chunk).
+MAX_CHUNK_BYTES = 256 << 20
+
+
+def rows_per_chunk(vocab_size: int) -> int:
+    return max(1, MAX_CHUNK_BYTES // (4 * vocab_size))
+
+
 class GsdRejectionSampler(RejectionSampler):
-    """Set `verify_step` (engine/runner_hooks.py) and `compact_kv` before each forward."""
+    """Scores the step's trees; nothing else (the runner hook compacts the KV cache).
 
-    def __init__(self, sampler, spec_config, device, **kwargs):
-        super().__init__(sampler, spec_config, device, **kwargs)
-        self.verify_step = None  # set by the runner hook for the step being verified
-        self.compact_kv = None  # callable(tree_base, accepted_rows, num_accepted, batch_rows)
-        self.last_accepted: AcceptedPaths | None = None
-        self.metrics = None  # engine.metrics.GsdMetrics of the worker
+    `metadata` is a TreeSpecDecodeMetadata carrying the step's TreeBatch (engine/tree_batch.py);
+    vLLM's own SpecDecodeMetadata (its dummy sampler runs) is scored as chains of its draft
+    tokens, with unseeded draws.
+    """
 
-    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput:
-        started = time.perf_counter()
+    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> TreeSamplerOutput:
+        tree = metadata.tree if isinstance(metadata, TreeSpecDecodeMetadata) else None
         num_draft = list(metadata.num_draft_tokens)
         batch_size = len(num_draft)
         max_nodes = max(num_draft)
         rows_per_request = torch.tensor(num_draft, dtype=torch.int64) + 1
-        row_end = torch.cumsum(rows_per_request, 0)
-        row_start = row_end - rows_per_request
+        row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
         device = logits.device
 
         # Row 0 of every request: vLLM's sampler, exactly as without speculation.
@@ -121,114 +136,84 @@ class GsdRejectionSampler(RejectionSampler):
         )
         row_target = torch.full((batch_size, max_nodes + 1), -1, dtype=torch.int64, device=device)
         row_target[:, 0] = root_output.sampled_token_ids[:, 0].long()
-
         if max_nodes > 0:
-            self._fill_node_rows(row_target, logits, num_draft, row_start, sampling_metadata)
-            draft_token_ids, parent_row = self._tree_tensors(metadata, num_draft, max_nodes, device)
-            accepted = walk_tree(draft_token_ids, parent_row,
+            if tree is not None:
+                parent_row, depth = tree.parent_row[:, :max_nodes], tree.depth[:, :max_nodes]
+            else:
+                parent_row, depth = chain_trees(num_draft)
+            self._fill_node_rows(row_target, logits, num_draft, row_start, depth, tree, sampling_metadata)
+            draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64, device=device)
+            valid = torch.arange(max_nodes)[None, :] < rows_per_request[:, None] - 1
+            draft_token_ids[valid.to(device)] = metadata.draft_token_ids.to(device, torch.int64)
+            accepted = walk_tree(draft_token_ids, parent_row.to(device),
                                  torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
         else:  # a plain step (no trees): every request emits its root token
             accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
                                      torch.zeros(batch_size, dtype=torch.int64, device=device))
-        self.last_accepted = accepted
-        if self.metrics is not None and max_nodes > 0:
-            self._count(num_draft, accepted)
-        walked = time.perf_counter()
-        if self.compact_kv is not None and max_nodes > 0:
-            self.compact_kv(accepted)
-        if self.metrics is not None:
-            self.metrics.add(verify_us=int((walked - started) * 1e6),
-                             kv_compaction_us=int((time.perf_counter() - walked) * 1e6))
-
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None:
             logprobs_tensors = self._path_logprobs(logits, row_start, accepted,
                                                    sampling_metadata.max_num_logprobs)
-        return SamplerOutput(
+        return TreeSamplerOutput(
             sampled_token_ids=accepted.output_token_ids.to(torch.int32),
             logprobs_tensors=logprobs_tensors,
+            accepted=accepted,
         )
 
     # --------------------------------------------------------------------------------------
 
-    def _fill_node_rows(self, row_target, logits, num_draft, row_start, sampling_metadata):
-        """The target's token at the rows of every request with a tree.
+    def _fill_node_rows(self, row_target, logits, num_draft, row_start, depth, tree, sampling_metadata):
+        """The target's token at rows 1..n of every request with a tree.
 
-        Greedy: vLLM's greedy argmax at rows 1..n (row 0 came from vLLM's sampler). Random: every
-        row 0..n draws from its processed distribution by inverse CDF; a seeded request's uniform
-        is keyed by the absolute position of the token drawn (graph/counter_rng.py), so its text
-        does not depend on the trees or the batch; others use the global generator.
+        Greedy: vLLM's greedy argmax. Random: every row draws from its processed distribution
+        by inverse CDF; a seeded request's uniform is keyed by the absolute position of the
+        token drawn (graph/counter_rng.py), so its text does not depend on the trees or the
+        batch; others use the global generator. Rows are processed in chunks (MAX_CHUNK_BYTES).
         """
         device = logits.device
-        batch_size = len(num_draft)
-        total_rows = logits.shape[0]
-        request_of_row = torch.repeat_interleave(
-            torch.arange(batch_size), torch.tensor(num_draft) + 1).to(device)
-        local_row = torch.arange(total_rows, device=device) - row_start.to(device)[request_of_row]
-        has_tree = (torch.tensor(num_draft) > 0).to(device)[request_of_row]
-
-        token = Sampler.greedy_sample(logits.to(torch.float32)).long()  # vLLM's greedy pick
-        fill = has_tree & (local_row > 0)
-        if not sampling_metadata.all_greedy:
-            # vLLM's processing of draft rows (temperature, then top-k/top-p), with the per-row
-            # expansion done here: vLLM's CPU expand kernel mishandles int32 inputs and its
-            # Triton one stops at 128 rows per request.
-            temperature = sampling_metadata.temperature.to(device)[request_of_row]
-            is_greedy = temperature < _SAMPLING_EPS
-            top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[request_of_row]
-            top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[request_of_row]
+        counts = torch.tensor(num_draft, dtype=torch.int64)
+        request_of_row = torch.repeat_interleave(torch.arange(len(num_draft)), counts + 1)
+        local_row = torch.arange(logits.shape[0]) - row_start[request_of_row]
+        has_tree = counts[request_of_row] > 0
+        if sampling_metadata.all_greedy:
+            is_random = torch.zeros_like(has_tree)
+        else:
+            is_random = (sampling_metadata.temperature.cpu() >= _SAMPLING_EPS)[request_of_row]
+        greedy_rows = torch.nonzero(has_tree & ~is_random & (local_row > 0)).squeeze(1)
+        random_rows = torch.nonzero(has_tree & is_random).squeeze(1)  # row 0 included: it is keyed too
+        if greedy_rows.numel():
+            tokens = logits[greedy_rows.to(device)].argmax(dim=-1)  # vLLM's greedy pick, no fp32 copy
+            row_target[request_of_row[greedy_rows].to(device), local_row[greedy_rows].to(device)] = tokens
+        if not random_rows.numel():
+            return
+        uniforms = self._row_uniforms(random_rows, request_of_row, local_row, depth, tree)
+        requests = request_of_row[random_rows]
+        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        chunk = rows_per_chunk(logits.shape[-1])
+        for lo in range(0, random_rows.numel(), chunk):
+            rows, req = random_rows[lo:lo + chunk].to(device), requests[lo:lo + chunk].to(device)
             # A copy: `logits` stays raw for the logprobs of the accepted path.
-            drawn = draw_processed(logits.to(torch.float32, copy=True), temperature, top_k, top_p,
-                                   self._row_uniforms(num_draft, device))
-            token = torch.where(is_greedy, token, drawn)
-            fill = fill | (has_tree & ~is_greedy)
-        row_target[request_of_row[fill], local_row[fill]] = token[fill]
+            drawn = draw_processed(
+                logits[rows].to(torch.float32), sampling_metadata.temperature[req],
+                None if top_k is None else top_k[req], None if top_p is None else top_p[req],
+                uniforms[lo:lo + chunk].to(device))
+            row_target[req, local_row[random_rows[lo:lo + chunk]].to(device)] = drawn
 
-    def _row_uniforms(self, num_draft, device) -> torch.Tensor:
-        """float64 [total rows]: uniforms for every verification row of the batch."""
-        step = self.verify_step
-        uniforms = torch.rand(sum(n + 1 for n in num_draft), dtype=torch.float64)
-        start = 0
-        for b, n in enumerate(num_draft):
-            seed = step.seed[b] if step is not None else None
-            if n and seed is not None:
-                # Row r samples the token at absolute position tree_base + depth(r) + 1.
-                depth = np.concatenate([[0], step.depth[b][:n].numpy()])
-                positions = step.tree_base[b] + depth + 1
-                uniforms[start:start + n + 1] = torch.from_numpy(counter_uniforms(seed, positions))
-            start += n + 1
-        return uniforms.to(device)
-
-    def _count(self, num_draft, accepted: AcceptedPaths) -> None:
-        step = self.verify_step
-        num_accepted = accepted.num_accepted.tolist()
-        trees = [b for b, n in enumerate(num_draft) if n]
-        through_merge = 0
-        for b in trees:
-            via_merge = step.via_merge[b] if step is not None else None
-            a = num_accepted[b]
-            if via_merge is not None and a:
-                path = accepted.accepted_rows[b, 1:a + 1].cpu() - 1
-                through_merge += bool(via_merge[path].any())
-        self.metrics.add(trees_verified=len(trees), nodes_verified=sum(num_draft),
-                         accepted_nodes=sum(num_accepted[b] for b in trees),
-                         paths_through_merge=through_merge)
-
-    def _tree_tensors(self, metadata, num_draft, max_nodes, device):
-        """Padded [B, max_nodes] node tokens and parent rows of this step's trees."""
-        batch_size = len(num_draft)
-        draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64, device=device)
-        parent_row = torch.full((batch_size, max_nodes), -1, dtype=torch.int64, device=device)
-        if max_nodes == 0:
-            return draft_token_ids, parent_row
-        counts = torch.tensor(num_draft, device=device)
-        valid = torch.arange(max_nodes, device=device)[None, :] < counts[:, None]
-        draft_token_ids[valid] = metadata.draft_token_ids.to(device, torch.int64)
-        step = self.verify_step
-        for b, n in enumerate(num_draft):
-            if n:
-                parent_row[b, :n] = step.parent_row[b][:n].to(device)
-        return draft_token_ids, parent_row
+    @staticmethod
+    def _row_uniforms(rows, request_of_row, local_row, depth, tree) -> torch.Tensor:
+        """float64 [len(rows)]: a seeded request's row r samples the token at absolute
+        position tree_base + depth(r) + 1 with u(seed, position); other rows draw fresh."""
+        uniforms = torch.rand(rows.numel(), dtype=torch.float64)
+        if tree is None:
+            return uniforms
+        request, local = request_of_row[rows], local_row[rows]
+        row_depth = torch.where(local > 0, depth[request, (local - 1).clamp(min=0)], 0)
+        seeded = [b for b in range(len(tree.seed)) if tree.seed[b] is not None]
+        for b in seeded:
+            mine = torch.nonzero(request == b).squeeze(1)
+            positions = tree.tree_base[b] + row_depth[mine].numpy() + 1
+            uniforms[mine] = torch.from_numpy(counter_uniforms(tree.seed[b], positions))
+        return uniforms
 
     def _path_logprobs(self, logits, row_start, accepted: AcceptedPaths, max_num_logprobs):
         """Raw logprobs of every emitted token, from the row that predicted it."""

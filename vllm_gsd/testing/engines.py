@@ -25,7 +25,7 @@ WIDE_GSD = {"num_speculative_tokens": 128,
 def make_llm(model: str, speculative_config: dict | None = None, **kwargs):
     from vllm import LLM
 
-    args = dict(model=model, dtype="float32", enforce_eager=True, max_model_len=MAX_MODEL_LEN,
+    args = dict(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN,
                 seed=0, disable_log_stats=False, max_num_seqs=64, gpu_memory_utilization=0.5)
     if speculative_config is not None:
         args["per_request_spec_decode_metrics"] = "summary"

@@ -52,10 +52,11 @@ def vllm_command() -> list[str]:
 
 def serve_command(model: str, port: int, speculative_config: dict | None,
                   extra_args: Sequence[str] = ()) -> list[str]:
-    """`vllm serve` in float32 (greedy output comparable with an offline float32 engine)."""
+    """`vllm serve` in vLLM's default mode, float32 (greedy output comparable with an offline
+    float32 engine)."""
     cmd = vllm_command() + [
         "serve", model, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+        "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
     ]
     if speculative_config is not None:
         cmd += ["--speculative-config", json.dumps(speculative_config)]

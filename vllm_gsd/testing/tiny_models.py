@@ -30,7 +30,9 @@ from vllm_gsd.testing.cache import build_once, cache_root, recipe_key
 RECIPE_FORMAT = 1  # bump when the build code changes in a way the recipe fields do not show
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|endoftext|>"
-DRAFT_KINDS = ("same", "perturbed", "shallow")
+DRAFT_KINDS = ("same", "perturbed", "shallow", "short")
+# The "short" draft's context (max_position_embeddings): shorter than the target's.
+SHORT_DRAFT_CONTEXT = 256
 DEFAULT_NOISE_SCALE = 0.18
 DEFAULT_SHALLOW_LAYERS = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -344,8 +346,10 @@ def _build_draft(
 ) -> None:
     """Derive a draft of `kind` from the target in `target_dir` and save it into `out_dir`."""
     model = load_float32(target_dir)
-    if kind == "perturbed":
+    if kind in ("perturbed", "short"):
         perturb_weights_(model, noise_scale, seed)
+    if kind == "short":
+        model.config.max_position_embeddings = SHORT_DRAFT_CONTEXT
     elif kind == "shallow":
         model = keep_layers(
             model, shallow_layer_indices(model.config.num_hidden_layers, shallow_layers)
@@ -367,7 +371,8 @@ def tiny_draft(
 
     kind: "same" (identical weights), "perturbed" (weights + noise of `noise_scale` times each
     matrix's std, seeded by `seed`), "shallow" (`shallow_layers` layers: the first
-    `shallow_layers - 1` and the last). The draft shares the target's tokenizer files.
+    `shallow_layers - 1` and the last), "short" (perturbed, with a context of
+    SHORT_DRAFT_CONTEXT positions). The draft shares the target's tokenizer files.
     """
     if kind not in DRAFT_KINDS:
         raise ValueError(f"kind must be one of {DRAFT_KINDS}, got {kind!r}")
@@ -376,6 +381,7 @@ def tiny_draft(
         "same": {},
         "perturbed": {"noise_scale": noise_scale, "seed": seed},
         "shallow": {"shallow_layers": shallow_layers},
+        "short": {"noise_scale": noise_scale, "seed": seed, "context": SHORT_DRAFT_CONTEXT},
     }[kind]
     key = recipe_key({"format": RECIPE_FORMAT, "target": target_dir.name, "kind": kind, **params})
     return build_once(

@@ -1,0 +1,352 @@
+"""The CUDA path without a GPU: GSD's TRITON_ATTN backend driven on CPU tensors, its Triton
+kernel in the interpreter (TRITON_INTERPRET=1, set by scripts/test.sh), metadata built by vLLM
+0.32's own TRITON_ATTN metadata builder, KV in that backend's layout; the CUDA-only refusals;
+vLLM's dummy sampler run through the scorer; the compaction's list of live caches.
+
+vLLM's CPU build disables Triton (no GPU driver), so vLLM's own Triton attention kernel cannot
+run here: for rows without a tree the test stands in for it with the causal reference and
+checks that GSD leaves exactly what vLLM's path wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="needs the Triton interpreter (scripts/test.sh sets TRITON_INTERPRET=1)")
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 32, 16, 48
+
+
+@pytest.fixture(scope="module")
+def vllm_config(tiny_target_path):
+    from vllm.config import ModelConfig, VllmConfig
+
+    return VllmConfig(model_config=ModelConfig(model=str(tiny_target_path), dtype="float32", max_model_len=512))
+
+
+@pytest.fixture(scope="module")
+def builder(vllm_config):
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_gsd.engine.gpu_attention import GsdTritonAttentionMetadataBuilder
+    from vllm_gsd.engine.tree_batch import TreeSlot
+
+    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                             dtype=torch.float32)
+    with set_current_vllm_config(vllm_config):
+        made = GsdTritonAttentionMetadataBuilder(spec, ["layer.0"], vllm_config, torch.device("cpu"))
+    made.tree_slot = TreeSlot()
+    return made
+
+
+def make_impl(vllm_config, **features):
+    from vllm.config import set_current_vllm_config
+
+    from vllm_gsd.engine.gpu_attention import GsdTritonAttentionImpl
+
+    args = dict(num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE ** -0.5, num_kv_heads=NUM_KV_HEADS,
+                alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
+    args.update(features)
+    with set_current_vllm_config(vllm_config):
+        return GsdTritonAttentionImpl(**args)
+
+
+def random_tree(rng, num_nodes):
+    """parent_row [n] of a breadth-first tree (every parent precedes its child)."""
+    return np.array([rng.integers(0, row) for row in range(1, num_nodes + 1)], dtype=np.int64)
+
+
+def mixed_batch(rng, kinds):
+    """Requests of the given kinds: ("prefill", q_len), ("decode", 1), ("tree", n nodes), each
+    with a random context; returns what the runner would hand the backend."""
+    from vllm_gsd.graph import ancestor_words_from_parents
+
+    query_lens, context_lens, parents = [], [], []
+    for kind, size in kinds:
+        query_lens.append(size + 1 if kind == "tree" else size)
+        context_lens.append(int(rng.integers(0, 90)))
+        parents.append(random_tree(rng, size) if kind == "tree" else None)
+    seq_lens = np.array(context_lens) + np.array(query_lens)
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+    blocks_needed = -(-seq_lens // BLOCK_SIZE)
+    block_table = torch.zeros((len(kinds), int(blocks_needed.max())), dtype=torch.int32)
+    pool = rng.permutation(NUM_BLOCKS)
+    used = 0
+    for b, n in enumerate(blocks_needed):
+        block_table[b, :n] = torch.from_numpy(pool[used:used + n].astype(np.int32))
+        used += n
+    tree_rows = [b for b, p in enumerate(parents) if p is not None]
+    query_tree_row = np.full(int(query_start_loc[-1]), -1, dtype=np.int32)
+    max_nodes = max((len(parents[b]) for b in tree_rows), default=1)
+    parent_padded = torch.full((len(tree_rows), max_nodes), -1, dtype=torch.int64)
+    for k, b in enumerate(tree_rows):
+        n = len(parents[b])
+        query_tree_row[query_start_loc[b]: query_start_loc[b] + n + 1] = np.arange(n + 1)
+        parent_padded[k, :n] = torch.from_numpy(parents[b])
+    words = ancestor_words_from_parents(parent_padded, torch.tensor([len(parents[b]) for b in tree_rows]))
+    return SimpleNamespace(
+        query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=np.array(context_lens),
+        block_table=block_table, tree_rows=np.array(tree_rows, dtype=np.int64),
+        query_tree_row=query_tree_row, ancestor_words=words, num_tokens=int(query_start_loc[-1]))
+
+
+def common_metadata(batch):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.from_numpy(batch.query_start_loc.astype(np.int32))
+    seq_lens = torch.from_numpy(batch.seq_lens.astype(np.int32))
+    positions = torch.cat([torch.arange(c, s) for c, s in zip(batch.context_lens, batch.seq_lens)])
+    return CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=len(batch.seq_lens),
+        num_actual_tokens=batch.num_tokens, max_query_len=int(np.diff(batch.query_start_loc).max()),
+        max_seq_len=int(batch.seq_lens.max()), block_table_tensor=batch.block_table,
+        slot_mapping=torch.zeros(batch.num_tokens, dtype=torch.int64), causal=True, positions=positions,
+        seq_lens_cpu_upper_bound=seq_lens)
+
+
+def tree_attention(batch):
+    from vllm_gsd.engine.tree_batch import TreeAttention
+
+    index = batch.tree_rows
+    starts = batch.query_start_loc[index]
+    lengths = batch.query_start_loc[index + 1] - starts
+    return TreeAttention.build(index, starts, lengths, batch.context_lens[index], batch.ancestor_words,
+                               batch.query_tree_row, torch.device("cpu"))
+
+
+def triton_kv_cache(rng):
+    """One layer's cache as TRITON_ATTN receives it: logical [blocks, Hkv, block, 2 * D]."""
+    gen = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    return torch.randn((NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), generator=gen)
+
+
+def reference(query, kv_cache, batch, tree_rows_visible: bool):
+    """graph_attention_ref over the whole batch: tree rows under the graph mask (or all causal)."""
+    from vllm_gsd.kernels.graph_attention import graph_attention_ref
+
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+    num_reqs = len(batch.seq_lens)
+    tree_base = torch.zeros(num_reqs, dtype=torch.int32)
+    words = torch.zeros((num_reqs, *batch.ancestor_words.shape[1:]), dtype=torch.int32)
+    query_tree_row = torch.from_numpy(batch.query_tree_row)
+    if tree_rows_visible and len(batch.tree_rows):
+        tree_base[batch.tree_rows] = torch.from_numpy(batch.context_lens[batch.tree_rows].astype(np.int32))
+        words[batch.tree_rows] = batch.ancestor_words
+    else:
+        query_tree_row = torch.full_like(query_tree_row, -1)
+    return graph_attention_ref(
+        query, key_cache, value_cache, batch.block_table, torch.from_numpy(batch.query_start_loc.astype(np.int32)),
+        torch.from_numpy(batch.seq_lens.astype(np.int32)), tree_base, query_tree_row, words, HEAD_SIZE ** -0.5,
+        layout="gpu")
+
+
+@pytest.fixture
+def vllm_kernel_stand_in(monkeypatch):
+    """vLLM's TritonAttentionImpl.forward, which cannot run on CPU: the causal reference."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    calls = []
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
+        batch = attn_metadata._test_batch
+        calls.append(attn_metadata)
+        causal = reference(query[:batch.num_tokens], kv_cache, batch, tree_rows_visible=False)
+        output[:batch.num_tokens] = causal.reshape(output[:batch.num_tokens].shape)
+        return output
+
+    monkeypatch.setattr(TritonAttentionImpl, "forward", forward)
+    return calls
+
+
+KINDS = {
+    "mixed": [("prefill", 7), ("tree", 5), ("decode", 1), ("tree", 23), ("prefill", 1), ("tree", 1)],
+    "trees only": [("tree", 9), ("tree", 33), ("tree", 2)],
+    "no trees": [("decode", 1), ("prefill", 11)],
+}
+
+
+@pytest.mark.parametrize("kinds", list(KINDS), ids=list(KINDS))
+def test_tree_rows_get_the_graph_mask_and_other_rows_stay_vllms(kinds, builder, vllm_config, vllm_kernel_stand_in):
+    rng = np.random.default_rng(len(kinds))
+    batch = mixed_batch(rng, KINDS[kinds])
+    tree = tree_attention(batch) if len(batch.tree_rows) else None
+    with builder.tree_slot.holding(tree):
+        metadata = builder.build(0, common_metadata(batch))
+    metadata._test_batch = batch
+    assert (metadata.tree is None) == (tree is None)
+    kv_cache = triton_kv_cache(rng)
+    query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_SIZE)
+    impl = make_impl(vllm_config)
+    output = torch.full((batch.num_tokens, NUM_HEADS * HEAD_SIZE), float("nan"))
+    for _layer in range(2):  # layers share the forward's plan
+        impl.forward(None, query, None, None, kv_cache, metadata, output)
+    graph = reference(query, kv_cache, batch, tree_rows_visible=True).reshape(output.shape)
+    causal = reference(query, kv_cache, batch, tree_rows_visible=False).reshape(output.shape)
+    is_tree = torch.from_numpy(batch.query_tree_row >= 0)
+    torch.testing.assert_close(output[is_tree], graph[is_tree], rtol=1e-4, atol=1e-4)
+    assert torch.equal(output[~is_tree], causal[~is_tree])  # exactly what vLLM's path wrote
+    every_row_a_tree_row = bool(is_tree.all())
+    assert len(vllm_kernel_stand_in) == (0 if every_row_a_tree_row else 2)
+
+
+def test_the_plan_is_on_the_forwards_device_and_built_once(builder):
+    rng = np.random.default_rng(3)
+    batch = mixed_batch(rng, KINDS["mixed"])
+    planned = []
+    original = type(builder).plan_tree
+
+    def counting(self, metadata, tree):
+        planned.append(tree)
+        return original(self, metadata, tree)
+
+    type(builder).plan_tree = counting
+    try:
+        with builder.tree_slot.holding(tree_attention(batch)):
+            metadata = builder.build(0, common_metadata(batch))
+        again = builder.build(0, common_metadata(batch))  # the slot is empty again
+    finally:
+        type(builder).plan_tree = original
+    assert len(planned) == 1 and again.tree is None
+    plan = metadata.tree
+    assert plan.token_index.device == metadata.seq_lens.device
+    assert plan.query_tree_row.tolist() == batch.query_tree_row[plan.token_index.numpy()].tolist()
+
+
+@pytest.mark.parametrize("feature, value, named", [
+    ("sliding_window", 64, "sliding-window"),
+    ("alibi_slopes", [0.5, 0.25, 0.125, 0.0625], "ALiBi"),
+    ("logits_soft_cap", 30.0, "soft-capping"),
+    ("sinks", torch.zeros(NUM_HEADS), "sinks"),
+    ("kv_cache_dtype", "fp8", "quantized KV cache"),
+    ("chunk_lookback", 128, "chunked local attention"),
+])
+def test_attention_features_the_mask_lacks_are_refused(vllm_config, feature, value, named):
+    with pytest.raises(NotImplementedError, match=named):
+        make_impl(vllm_config, **{feature: value})
+
+
+def test_encoder_layers_are_not_refused_for_their_window(vllm_config):
+    from vllm.v1.attention.backend import AttentionType
+
+    make_impl(vllm_config, sliding_window=64, attn_type=AttentionType.ENCODER_ONLY)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_full_cuda_graphs_are_refused(mode):
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_gsd.engine.patches import _keep_attention_out_of_cuda_graphs
+
+    with pytest.raises(ValueError, match=f"cudagraph_mode={mode}"):
+        _keep_attention_out_of_cuda_graphs(CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
+
+
+def test_unset_cuda_graph_mode_becomes_piecewise():
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_gsd.engine.patches import _keep_attention_out_of_cuda_graphs
+
+    compilation = SimpleNamespace(cudagraph_mode=None)
+    _keep_attention_out_of_cuda_graphs(compilation)
+    assert compilation.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    kept = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
+    _keep_attention_out_of_cuda_graphs(kept)
+    assert kept.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+
+def _features_config(**overrides):
+    model = SimpleNamespace(uses_mrope=False)
+    config = SimpleNamespace(
+        model_config=model, speculative_config=SimpleNamespace(draft_model_config=model),
+        cache_config=SimpleNamespace(cache_dtype="auto", kv_offloading_size=None), kv_transfer_config=None)
+    for path, value in overrides.items():
+        owner, name = path.split(".") if "." in path else (None, path)
+        setattr(getattr(config, owner) if owner else config, name, value)
+    return config
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"model_config": SimpleNamespace(uses_mrope=True)}, "target model's M-RoPE"),
+    ({"speculative_config": SimpleNamespace(draft_model_config=SimpleNamespace(uses_mrope=True))},
+     "draft model's M-RoPE"),
+    ({"cache_config.cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
+    ({"kv_transfer_config": object()}, "KV connector"),
+    ({"cache_config.kv_offloading_size": 4.0}, "KV offloading"),
+])
+def test_engine_features_the_tree_path_lacks_are_refused_by_name(overrides, named):
+    from vllm_gsd.engine.patches import _refuse_unsupported_features
+
+    _refuse_unsupported_features(_features_config())  # the plain config passes
+    with pytest.raises(ValueError, match=named):
+        _refuse_unsupported_features(_features_config(**overrides))
+
+
+def test_several_kv_cache_groups_are_refused():
+    from vllm_gsd.engine.runner_hooks import _refuse_several_kv_groups
+
+    _refuse_several_kv_groups(SimpleNamespace(kv_cache_groups=[object()]))
+    with pytest.raises(NotImplementedError, match="several groups"):
+        _refuse_several_kv_groups(SimpleNamespace(kv_cache_groups=[object(), object()]))
+
+
+def test_vllms_dummy_sampler_run_goes_through_the_scorer():
+    """vLLM's _dummy_sampler_run (profile and warm-up): one dummy draft token per request, no
+    TreeBatch; mixed sampling then all-greedy, as vLLM calls it."""
+    from dataclasses import replace
+
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_gsd.engine.scorer import GsdRejectionSampler, GsdSampler
+
+    num_reqs, vocab = 5, 64
+    scorer = GsdRejectionSampler(GsdSampler(logprobs_mode="raw_logprobs"))
+    full = lambda v: torch.full((num_reqs,), v)  # noqa: E731
+    metadata = SamplingMetadata(
+        temperature=full(0.5), all_greedy=False, all_random=False, top_p=full(0.9), top_k=full(vocab - 1),
+        generators={}, max_num_logprobs=None, logprob_token_ids=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=full(0.1), presence_penalties=full(0.1), repetition_penalties=full(0.1),
+        output_token_ids=[[] for _ in range(num_reqs)], spec_token_ids=[[] for _ in range(num_reqs)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    dummy = SpecDecodeMetadata.make_dummy([[0]] * num_reqs, torch.device("cpu"))
+    logits = torch.randn(2 * num_reqs, vocab)
+    for sampling in (metadata, replace(metadata, temperature=None, all_greedy=True)):
+        output = scorer(dummy, None, logits, sampling)
+        assert output.sampled_token_ids.shape == (num_reqs, 2)
+        tokens = output.sampled_token_ids
+        assert ((tokens >= 0) & (tokens < vocab) | (tokens == -1)).all() and (tokens[:, 0] >= 0).all()
+        assert output.accepted.num_accepted.max() <= 1
+
+
+def test_compaction_acts_on_the_caches_bound_now():
+    """The GPU runner rebuilds its KV caches after profiling: the list compaction uses is taken
+    whenever the runner (re)initializes its caches, never cached from the first time."""
+    from vllm_gsd.engine.runner_hooks import GsdRunnerState, wrap_initialize_kv_cache
+
+    layers = {"model.layers.0.attn": SimpleNamespace(kv_cache=None),
+              "draft_model.layers.0.attn": SimpleNamespace(kv_cache=None)}
+
+    def initialize_kv_cache(runner, kv_cache_config, is_profiling=False):
+        for layer in layers.values():
+            layer.kv_cache = torch.zeros(4 if is_profiling else 8)
+
+    runner = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="gsd"), gsd=GsdRunnerState(),
+        drafter=SimpleNamespace(_draft_attn_layer_names={"draft_model.layers.0.attn"},
+                                prepare_policy=lambda runner: None),
+        compilation_config=SimpleNamespace(static_forward_context=layers))
+    wrapped = wrap_initialize_kv_cache(initialize_kv_cache)
+    one_group = SimpleNamespace(kv_cache_groups=[object()])
+    wrapped(runner, one_group, is_profiling=True)
+    wrapped(runner, one_group)
+    assert runner.gsd.target_kv_caches == [layers["model.layers.0.attn"].kv_cache]
+    assert runner.gsd.target_kv_caches[0].numel() == 8
