@@ -7,6 +7,7 @@ it runs in (see shared/reference/cpu-environment.md).
 
 from __future__ import annotations
 
+import collections
 import gc
 import os
 
@@ -34,21 +35,31 @@ def tokenizer(tiny_models):
 
 
 class _Engines:
-    """Lazily started engines, kept for the session."""
+    """Lazily started engines, kept for the session: at most MAX_LIVE at a time (each takes
+    about 1.3 GiB in its processes); the least recently used one is shut down to start another,
+    and started again if a later test asks for it (its compiled model is in vLLM's cache)."""
+
+    MAX_LIVE = 5
 
     def __init__(self, models):
         self.models = models
-        self._llms = {}
+        self._llms: collections.OrderedDict = collections.OrderedDict()
 
     def get(self, name: str):
-        if name not in self._llms:
+        if name in self._llms:
+            self._llms.move_to_end(name)
+        else:
+            while len(self._llms) >= self.MAX_LIVE:
+                _, oldest = self._llms.popitem(last=False)
+                oldest.llm_engine.engine_core.shutdown()
+                gc.collect()
             target = self.models["target"]
             if name == "target":
                 llm = make_llm(target)
             elif name == "target_defaults":
                 from vllm import LLM
 
-                llm = LLM(target)  # vLLM's defaults, as the README's examples run
+                llm = LLM(target)  # vLLM's defaults, as the README's examples run (KV cache: the env's)
             elif name == "gsd":
                 llm = make_llm(target, gsd_config(self.models["perturbed"]))
             elif name == "gsd_wide":

@@ -24,9 +24,13 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def counter_uniforms(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
-    """float64 uniforms in [0, 1), one per (seed, position) pair (broadcast), 53 random bits."""
+def counter_keys(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """uint64, one well-mixed key per (seed, position) pair (broadcast)."""
     with np.errstate(over="ignore"):
         key = _splitmix64(np.asarray(seed).astype(np.uint64) * _GOLDEN + _GOLDEN)
-        mixed = _splitmix64(key + np.asarray(position).astype(np.uint64) * _GOLDEN)
-    return (mixed >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
+        return _splitmix64(key + np.asarray(position).astype(np.uint64) * _GOLDEN)
+
+
+def counter_uniforms(seed: np.ndarray, position: np.ndarray) -> np.ndarray:
+    """float64 uniforms in [0, 1), one per (seed, position) pair (broadcast), 53 random bits."""
+    return (counter_keys(seed, position) >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)

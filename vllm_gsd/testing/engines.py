@@ -22,15 +22,31 @@ WIDE_GSD = {"num_speculative_tokens": 128,
                     "cost_curve": FREE_TREES}}
 
 
+# A test engine's KV cache: room for every test's requests (64 x 512 tokens of the tiny pair
+# take 130 MiB), small enough that the engines a test session keeps fit in memory beside its
+# servers (a worker holds its KV cache plus about 1 GiB).
+TEST_KV_CACHE_BYTES = 256 << 20
+
+
 def make_llm(model: str, speculative_config: dict | None = None, **kwargs):
+    """vLLM's LLM in its default mode, float32, with the tests' sizes."""
+    import os
+
     from vllm import LLM
 
-    args = dict(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN,
+    args = dict(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
                 seed=0, disable_log_stats=False, max_num_seqs=64, gpu_memory_utilization=0.5)
     if speculative_config is not None:
         args["per_request_spec_decode_metrics"] = "summary"
     args.update(kwargs)
-    return LLM(**args, speculative_config=speculative_config)
+    # vLLM's CPU platform lets VLLM_CPU_KVCACHE_SPACE (whole GiB) override kv_cache_memory_bytes:
+    # lifted while the engine's processes start (they copy the environment then).
+    lifted = os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    try:
+        return LLM(**args, speculative_config=speculative_config)
+    finally:
+        if lifted is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = lifted
 
 
 def gsd_config(draft: str, node_budget: int = NODE_BUDGET, **knobs) -> dict:
