@@ -104,7 +104,7 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
 
 
 def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max_tokens: int,
-               prompt_token_ids: list[list[int]], batch1_prompts: int
+               prompt_token_ids: list[list[int]], batch1_prompts: int, mode: str = "default"
                ) -> tuple[list[Row], dict[int, list[list[int]]]]:
     from vllm import LLM, SamplingParams
 
@@ -112,7 +112,8 @@ def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max
     from vllm_gsd.testing.engines import acceptance_of
 
     llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
-              enforce_eager=True, max_num_seqs=max(batches), speculative_config=spec,
+              max_num_seqs=max(batches), speculative_config=spec,
+              **({"enforce_eager": True} if mode == "eager" else {}),
               **({"per_request_spec_decode_metrics": "summary"} if spec else {}))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
@@ -186,7 +187,7 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         f"# Benchmark: {pair.name} pair ({Path(pair.target).name} / {Path(pair.draft).name}, {pair.dtype})",
         "",
         f"{meta['machine']}; vLLM {meta['vllm']}; {meta['num_prompts']} prompts (batch 1: the first "
-        f"{meta['batch1_prompts']}) x {meta['max_tokens']} new tokens, greedy, enforce_eager; "
+        f"{meta['batch1_prompts']}) x {meta['max_tokens']} new tokens, greedy, {meta.get('mode_text', 'enforce_eager')}; "
         f"generated {meta['date']} by `scripts/bench.py {meta['argv']}`. Ratios are to no "
         "speculation at the same batch size.",
         "",
@@ -253,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="", help="comma list; default all")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the configurations this many times in turn; report medians of paired ratios")
+    parser.add_argument("--mode", default="default", choices=["default", "eager"],
+                        help="vLLM's default (compiled) mode, or enforce_eager")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, spec in configs.items():
             print(f"[bench] {name}" + (f" (round {round_index + 1})" if args.rounds > 1 else ""), flush=True)
             config_rows, outputs = run_config(pair, name, spec, batches, args.max_tokens, prompt_ids,
-                                              args.batch1_prompts)
+                                              args.batch1_prompts, args.mode)
             if name == "no_spec" and reference is None:
                 reference = outputs
             measured += [(round_index, row, outputs[row.batch]) for row in config_rows]
@@ -300,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm.__version__,
             "num_prompts": len(prompt_ids), "max_tokens": args.max_tokens,
             "batch1_prompts": args.batch1_prompts,
+            "mode_text": "vLLM's default (compiled) mode" if args.mode == "default" else "enforce_eager",
             "date": time.strftime("%Y-%m-%d"), "argv": " ".join(sys.argv[1:] if argv is None else argv)}
     write_results(out_dir, pair, rows, meta)
     print((out_dir / "results.md").read_text())

@@ -113,3 +113,32 @@ def test_measured_cost_curves_serve_exactly(tiny_models, engines, tokenizer):
         llm.llm_engine.engine_core.shutdown()
     assert got == _token_ids(engines.get("target"), prompts, _greedy(32))
     assert delta["steps_speculated"] + delta["steps_not_speculated"] > 0
+
+
+def test_a_draft_too_slow_to_pay_stops_speculation_by_measured_step_times(tiny_models, engines, tokenizer):
+    """A draft made 40 ms slower per forward after start-up (so its measured cost curve calls it
+    cheap; a tiny target step takes a few ms): the measured whole-step times say plain decoding
+    is faster, and speculation stops. Speculative steps cost at most 5% of the run beyond what
+    plain steps would have taken for their tokens, and the output is the target's."""
+    from vllm_gsd.testing.worker_probes import WORKER_PROBES
+
+    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"], **_knobs()),
+                   worker_extension_cls=WORKER_PROBES)
+    try:
+        llm.collective_rpc("gsd_test_slow_draft", args=(0.04,))
+        prompts = _token_prompts(tokenizer, 8)
+        got, delta = [], None
+        for prompt in prompts:  # one request at a time: the load speculation is for
+            ids, step = _run(llm, [prompt], _greedy(96))
+            got += ids
+            delta = step if delta is None else {k: delta[k] + step[k] for k in step}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert got == _token_ids(engines.get("target"), prompts, _greedy(96))
+    assert delta["steps_not_speculated"] > 10 * delta["steps_speculated"]
+    plain_rate = delta["plain_step_tokens"] / delta["plain_step_us"]
+    lost = delta["speculative_step_us"] - delta["speculative_step_tokens"] / plain_rate
+    total = delta["speculative_step_us"] + delta["plain_step_us"]
+    print(f"speculative steps {delta['steps_speculated']}, vetoed {delta['steps_vetoed']}, "
+          f"time lost to them {100 * lost / total:.1f}% of {total / 1e6:.1f} s")
+    assert lost <= 0.05 * total

@@ -91,10 +91,10 @@ def test_vllm_serve_as_the_readme_writes_it(engines, tiny_models, tmp_path):
                 assert_target_up_to_near_ties(reply.json()["choices"][0]["token_ids"],
                                               *target_alone(engines, prompt))
             metrics = scrape_metrics(url)
+            log_text = log_path.read_text(errors="replace")  # before the shutdown's own noise
         finally:
             process.terminate()
             process.wait(timeout=60)
-    log_text = log_path.read_text(errors="replace")
     assert "Traceback" not in log_text
     # vLLM's default mode: compiled, with the profile / warm-up run, and the tree path served.
     assert "Warming up model for the compilation" in log_text

@@ -1,4 +1,4 @@
-"""walk_tree / greedy_accept against a brute-force reference on random trees.
+"""walk_tree against a brute-force reference on random trees.
 
 walk_tree runs numpy steps on CPU tensors and torch steps elsewhere; both are checked here."""
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.graph import AcceptedPaths, GraphBuilder, GraphParams, greedy_accept, walk_tree
+from vllm_gsd.graph import AcceptedPaths, GraphBuilder, GraphParams, walk_tree
 from vllm_gsd.graph.acceptance import _walk_tree_torch
 
 WALKS = {"numpy (CPU tensors)": walk_tree, "torch (other devices)": _walk_tree_torch}
@@ -133,7 +133,7 @@ def test_walk_tree_never_enters_off_contract_nodes(walk):
     assert got.num_accepted.tolist() == [0, 2]
 
 
-def test_greedy_accept_on_built_trees_uses_argmax():
+def test_greedy_walk_of_built_trees_follows_the_argmax():
     generator = torch.Generator().manual_seed(0)
     batch, vocab, budget = 8, 5, 20
     params = GraphParams(node_budget=budget, top_k=3, max_depth=4, merge_ngram=1)
@@ -151,7 +151,7 @@ def test_greedy_accept_on_built_trees_uses_argmax():
             first_child[b, tree.parent_row[b, i]] = tree.draft_token_ids[b, i]
     agree = (first_child >= 0) & (torch.rand(batch, budget + 1, generator=generator) < 0.8)
     logits[agree.nonzero(as_tuple=True) + (first_child[agree],)] += 100.0
-    got = greedy_accept(tree.draft_token_ids, tree.parent_row, tree.num_nodes, logits)
+    got = walk_tree(tree.draft_token_ids, tree.parent_row, tree.num_nodes, logits.argmax(-1))
     want = brute_force_greedy(tree.draft_token_ids, tree.parent_row, tree.num_nodes, logits.argmax(-1))
     assert torch.equal(got.accepted_rows, want.accepted_rows)
     assert torch.equal(got.output_token_ids, want.output_token_ids)

@@ -210,3 +210,53 @@ def test_the_selection_cut_by_build_tree_verifies_what_was_chosen():
     gains = policy.acceptance.node_gain(cut.path_prob.numpy(), cut.depth.numpy())
     real = np.arange(16)[None, :] < cut.num_nodes.numpy()[:, None]
     assert gains[real].sum() == pytest.approx(selection.expected_accepted)
+
+
+def _referee_run(referee, steps, plain_rate, spec_rate, num_requests=1):
+    """Drive the referee as the engine does (a plain step emits 1 token per request, a
+    speculative one 3); return (speculative steps, seconds, seconds plain steps would take)."""
+    speculated, seconds, plain_seconds = 0, 0.0, 0.0
+    for _ in range(steps):
+        allowed, _ = referee.allows(num_requests)
+        speculated += allowed
+        tokens = num_requests * (3 if allowed else 1)
+        took = tokens / (spec_rate if allowed else plain_rate)
+        referee.observe(allowed, num_requests, tokens=tokens, seconds=took)
+        seconds, plain_seconds = seconds + took, plain_seconds + tokens / plain_rate
+    return speculated, seconds, plain_seconds
+
+
+def test_referee_loses_little_to_speculation_that_measures_slower():
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    for spec_rate in (2.0, 6.0, 9.0):  # far slower, slower, a little slower than plain (10)
+        referee = WallClockReferee()
+        speculated, seconds, plain_seconds = _referee_run(referee, 5000, plain_rate=10.0, spec_rate=spec_rate)
+        assert seconds <= 1.03 * plain_seconds, (spec_rate, speculated)
+        assert referee.rates(1)[1] < referee.rates(1)[0]
+
+
+def test_referee_keeps_speculation_that_measures_faster():
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    referee = WallClockReferee()
+    speculated, seconds, plain_seconds = _referee_run(referee, 1000, plain_rate=10.0, spec_rate=15.0)
+    assert speculated >= 0.95 * 1000 and seconds < 0.75 * plain_seconds
+
+
+def test_referee_judges_each_load_apart():
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    referee = WallClockReferee()
+    _referee_run(referee, 300, plain_rate=10.0, spec_rate=6.0, num_requests=32)
+    assert _referee_run(referee, 300, plain_rate=10.0, spec_rate=15.0, num_requests=1)[0] >= 280
+    assert not referee.allows(32)[0]
+
+
+def test_referee_tries_again_and_follows_a_change():
+    """Speculation that loses, then wins (the machine got quieter): found again."""
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    referee = WallClockReferee()
+    _referee_run(referee, 500, plain_rate=10.0, spec_rate=6.0)
+    assert _referee_run(referee, 3000, plain_rate=10.0, spec_rate=20.0)[0] >= 2000

@@ -24,7 +24,7 @@ register()
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 
 from vllm_gsd.engine.config import MAX_NODE_BUDGET  # noqa: E402
-from vllm_gsd.graph import GraphBuilder, GraphParams  # noqa: E402
+from vllm_gsd.graph import GraphBuilder  # noqa: E402
 from vllm_gsd.testing.tiny_models import config_only_model  # noqa: E402
 
 INT_KNOBS = {"top_k": (1, 16), "max_depth": (1, 32), "merge_ngram": (-1, 8)}
@@ -103,9 +103,7 @@ def assert_drafts_a_graph(spec) -> None:
     """What the worker does with the knobs (engine/proposer.py): GraphParams, then every level of
     a GraphBuilder on random draft probabilities, then the tree within the node budget."""
     knobs = spec.gsd
-    params = GraphParams(node_budget=spec.num_speculative_tokens, top_k=knobs.top_k,
-                         max_depth=knobs.max_depth, merge_ngram=knobs.merge_ngram,
-                         min_child_ratio=knobs.min_child_ratio, leaf_prob=knobs.leaf_prob)
+    params = knobs.graph_params(spec.num_speculative_tokens)
     generator = torch.Generator().manual_seed(0)
     history = torch.randint(0, 50, (2, max(knobs.merge_ngram, 0)), generator=generator)
     builder = GraphBuilder(params, torch.tensor([3, 7]), history)

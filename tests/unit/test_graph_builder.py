@@ -339,11 +339,11 @@ def test_merge_ngram_uses_history_for_shallow_nodes():
 
 def test_params_validation():
     with pytest.raises(ValueError, match="top_k"):
-        GraphParams(node_budget=4, top_k=0)
+        GraphParams(node_budget=4, top_k=0, max_depth=2, merge_ngram=1)
     with pytest.raises(ValueError, match="merge_ngram"):
-        GraphParams(node_budget=4, merge_ngram=-2)
+        GraphParams(node_budget=4, top_k=2, max_depth=2, merge_ngram=-2)
     with pytest.raises(ValueError, match="node_budget"):
-        GraphParams(node_budget=0)
+        GraphParams(node_budget=0, top_k=2, max_depth=2, merge_ngram=1)
 
 
 def best_first_rows(tree, b):

@@ -49,3 +49,4 @@ def test_agreeing_ranks_pass():
 def test_diverging_ranks_fail_on_every_rank(fingerprints):
     results = _run(fingerprints)
     assert all("proposed different trees" in r for r in results)
+

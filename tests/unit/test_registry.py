@@ -73,3 +73,32 @@ def test_kernel_override_scan_passes_llvmlite():
     dispatcher._rebind_kernels([])  # the patched scan
     with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
         dispatcher._rebind_kernels.__wrapped__([])  # vLLM's own
+
+
+def test_every_use_of_vllm_resolves_in_the_pinned_vllm():
+    patches.declare_all()
+    assert len(registry.used()) >= 20
+    for use in registry.used():
+        owner, name, current = registry.resolve(use.target)
+        assert current is not None and use.why, use.target
+
+
+def test_a_use_that_moved_fails_before_any_patch(monkeypatch):
+    calls = []
+    good = registry.Patch(target="vllm.config.speculative:SpeculativeConfig.compute_hash",
+                          why="ok", scope="worker", wrap=lambda f: calls.append(f) or f)
+    moved = registry.Uses("vllm.v1.sample.sampler:Sampler.no_such_helper", "gone", "worker")
+    monkeypatch.setattr(registry, "_REGISTRY", [good])
+    monkeypatch.setattr(registry, "_USES", [moved])
+    monkeypatch.setattr(registry, "_APPLIED", set())
+    with pytest.raises(registry.PatchTargetMissing, match="no_such_helper"):
+        registry.apply("worker")
+    assert calls == []
+
+
+def test_instance_attributes_are_required_by_name():
+    from types import SimpleNamespace
+
+    registry.require_attributes(SimpleNamespace(a=1, b=2), ("a", "b"), "Thing")
+    with pytest.raises(registry.PatchTargetMissing, match=r"Thing\.b, c"):
+        registry.require_attributes(SimpleNamespace(a=1), ("a", "b", "c"), "Thing")

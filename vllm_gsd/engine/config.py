@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
+from vllm_gsd.graph.params import GraphParams
+
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig
 
@@ -76,6 +78,12 @@ class GsdConfig(BaseModel):
     levels and verify up to the node budget."""
     cost_curve: CostCurveConfig | None = None
     """Forward times by query tokens for the adaptive budget; None = measured at start-up."""
+
+    def graph_params(self, node_budget: int) -> GraphParams:
+        """The graph core's parameters for these knobs and node budget N."""
+        return GraphParams(node_budget=node_budget, top_k=self.top_k, max_depth=self.max_depth,
+                           merge_ngram=self.merge_ngram, min_child_ratio=self.min_child_ratio,
+                           leaf_prob=self.leaf_prob)
 
     @model_validator(mode="after")
     def _cost_curve_needs_adaptive(self) -> GsdConfig:

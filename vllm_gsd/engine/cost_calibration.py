@@ -2,9 +2,10 @@
 
 `budget_cost_curves(runner, proposer, configured)` returns the curves given in the `gsd` block
 (`cost_curve`), or measures them once, after the KV cache exists: each model runs forwards of
-q tokens (weights, MLPs and the logits of every row; attention is skipped, as in vLLM's own
-warm-up runs, since on the node budgets at stake the weights dominate) at a few q, and the best
-time of each is kept. Beyond `MAX_MEASURED_TOKENS` the curve is extended linearly.
+one request of q new tokens after `CONTEXT_TOKENS` cached ones (weights, attention through the
+model's own backend, and the logits of every row), in scratch KV blocks before any request
+exists, at a few q; the best time of each is kept. Beyond `MAX_MEASURED_TOKENS` the curve is
+extended linearly. On CUDA every timed forward is synchronized.
 
 Tensor-parallel ranks time the same forwards (they must, for the collectives), and rank 0's
 figures are broadcast, so every rank's policy takes the same decisions from the same curves.
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.graph.budget import CostCurve
@@ -26,6 +29,7 @@ logger = logging.getLogger(LOGGER_NAME)
 MEASURED_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512)
 MAX_MEASURED_TOKENS = MEASURED_TOKENS[-1]
 REPEATS_BELOW = 64  # forwards this small are timed twice (noise matters more there)
+CONTEXT_TOKENS = 512  # cached tokens each timed forward attends to (fewer if max_model_len is short)
 
 
 def budget_cost_curves(runner, proposer, configured) -> tuple[CostCurve, CostCurve]:
@@ -36,9 +40,15 @@ def budget_cost_curves(runner, proposer, configured) -> tuple[CostCurve, CostCur
     largest = min(scheduler.max_num_batched_tokens,
                   scheduler.max_num_seqs * (1 + proposer.node_budget), MAX_MEASURED_TOKENS)
     tokens = sorted({q for q in MEASURED_TOKENS if q <= largest} | {largest})
+    context = max(0, min(CONTEXT_TOKENS, runner.vllm_config.model_config.max_model_len - tokens[-1],
+                         proposer.max_model_len - tokens[-1]))
+    block_size = runner.input_batch.block_table[proposer.kv_cache_gid].block_size
+    target_groups = [group for groups in runner.attn_groups for group in groups]
     started = time.perf_counter()
-    target = _measure(runner.model, runner.vllm_config, runner.device, tokens)
-    draft = _measure(proposer.model, proposer.vllm_config, proposer.device, tokens)
+    target = _measure(runner.model, runner.vllm_config, runner.device, tokens,
+                      _Scratch(target_groups, block_size, context))
+    draft = _measure(proposer.model, proposer.vllm_config, proposer.device, tokens,
+                     _Scratch(proposer.draft_attn_groups, block_size, context))
     target, draft = _from_rank_zero(runner, (target, draft))
     logger.info("gsd: adaptive node budget, measured in %.1f s: target forward %s, draft forward %s "
                 "(seconds by query tokens)", time.perf_counter() - started,
@@ -46,32 +56,64 @@ def budget_cost_curves(runner, proposer, configured) -> tuple[CostCurve, CostCur
     return CostCurve(tuple(tokens), tuple(target)), CostCurve(tuple(tokens), tuple(draft))
 
 
-def _measure(model, vllm_config, device, tokens: list[int]) -> list[float]:
+@dataclass
+class _Scratch:
+    """Where a timed forward's request lives: the model's attention groups, KV blocks 0.. (no
+    request exists yet), and the context it attends to."""
+
+    attn_groups: list
+    block_size: int
+    context: int
+
+    def forward_inputs(self, num_tokens: int, device):
+        """(per-layer attention metadata, per-layer slot mapping, positions) of one request of
+        num_tokens new tokens after `context` cached ones."""
+        seq_len = self.context + num_tokens
+        positions = torch.arange(self.context, seq_len, dtype=torch.int64, device=device)
+        num_blocks = -(-seq_len // self.block_size)
+        block_table = torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0)
+        query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+        common = CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(device), query_start_loc_cpu=query_start_loc,
+            seq_lens=seq_lens.to(device), num_reqs=1, num_actual_tokens=num_tokens, max_query_len=num_tokens,
+            max_seq_len=seq_len, block_table_tensor=block_table, slot_mapping=positions, causal=True,
+            positions=positions, seq_lens_cpu_upper_bound=seq_lens)
+        metadata, slots = {}, {}
+        for group in self.attn_groups:
+            built = group.get_metadata_builder().build(0, common)
+            for name in group.layer_names:
+                metadata[name], slots[name] = built, positions
+        return metadata, slots, positions
+
+
+def _measure(model, vllm_config, device, tokens: list[int], scratch: _Scratch) -> list[float]:
     """Best wall time of one forward (with logits of every row) for each token count."""
-    _time_forward(model, vllm_config, device, tokens[0])  # warm-up (allocator, lazy init)
+    _time_forward(model, vllm_config, device, tokens[0], scratch)  # warm-up (allocator, lazy init)
     times = []
     for q in tokens:
         repeats = 2 if q < REPEATS_BELOW else 1
-        times.append(min(_time_forward(model, vllm_config, device, q) for _ in range(repeats)))
+        times.append(min(_time_forward(model, vllm_config, device, q, scratch) for _ in range(repeats)))
     return times
 
 
 @torch.inference_mode()
-def _time_forward(model, vllm_config, device, num_tokens: int) -> float:
+def _time_forward(model, vllm_config, device, num_tokens: int, scratch: _Scratch) -> float:
     input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)
-    positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
-    _synchronize(device)
+    metadata, slots, positions = scratch.forward_inputs(num_tokens, device)
+    synchronize(device)
     started = time.perf_counter()
-    with set_forward_context(None, vllm_config, num_tokens=num_tokens):
+    with set_forward_context(metadata, vllm_config, num_tokens=num_tokens, slot_mapping=slots):
         hidden_states = model(input_ids=input_ids, positions=positions)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
         model.compute_logits(hidden_states)
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - started
 
 
-def _synchronize(device) -> None:
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA), so that a host clock times it."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

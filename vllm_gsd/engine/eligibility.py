@@ -19,7 +19,7 @@ def tree_refusal_reason(sampling_params: Any, num_output_tokens: int) -> str | N
     checks = (
         (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0,
          "penalties"),
-        (bool(p.bad_words) or bool(getattr(p, "_bad_words_token_ids", None)), "bad_words"),
+        (bool(p.bad_words) or bool(p._bad_words_token_ids), "bad_words"),
         (p.structured_outputs is not None, "structured output"),
         (bool(p.logit_bias), "logit_bias"),
         (bool(p.allowed_token_ids), "allowed_token_ids"),
@@ -27,8 +27,8 @@ def tree_refusal_reason(sampling_params: Any, num_output_tokens: int) -> str | N
         (p.min_tokens > num_output_tokens, "min_tokens not yet reached"),
         (bool(p.logprob_token_ids), "logprob_token_ids"),
         (bool(p.extra_args), "extra_args (custom logits processors)"),
-        (getattr(p, "thinking_token_budget", None) is not None, "thinking_token_budget"),
-        (getattr(p, "repetition_detection", None) is not None, "repetition_detection"),
+        (p.thinking_token_budget is not None, "thinking_token_budget"),
+        (p.repetition_detection is not None, "repetition_detection"),
     )
     reasons = [name for active, name in checks if active]
     return ", ".join(reasons) if reasons else None

@@ -9,9 +9,13 @@ worker knows is counted here, per worker process:
   drafting (draft tokens computed = catch-up tokens + one per expanded graph row);
 * `gsd_paths_through_merge`: verified trees whose accepted path used a merged node;
 * the adaptive node budget's choices: `gsd_steps_speculated` (steps that drafted), and
-  `gsd_steps_not_speculated` (steps with tree candidates that it ran as plain decoding),
+  `gsd_steps_not_speculated` (steps with tree candidates that it ran as plain decoding; of
+  them `gsd_steps_vetoed` by the wall-clock referee, speculation having measured slower),
   `gsd_levels_drafted` (draft forwards, catch-up included), `gsd_nodes_offered` (tree nodes
   drafted) and `gsd_nodes_proposed` (the nodes it chose to verify);
+* whole decode steps as they ran (the referee's figures): `gsd_speculative_step_us` /
+  `gsd_speculative_step_tokens` for steps that verified trees, `gsd_plain_step_us` /
+  `gsd_plain_step_tokens` for the others;
 * where a step's time goes (host wall time, microseconds, summed): `gsd_target_forward_us`
   (the target's forward), `gsd_draft_step_us` (catch-up, levels and tree building; of which
   `gsd_draft_model_us` in the draft model's layers and `gsd_draft_logits_us` in its LM head),
@@ -49,6 +53,11 @@ class GsdStats:
     draft_tokens_computed: int = 0
     steps_speculated: int = 0
     steps_not_speculated: int = 0
+    steps_vetoed: int = 0  # of which the referee vetoed: speculation measured slower than plain
+    speculative_step_us: int = 0  # whole steps (decodes only) that verified trees: wall time
+    speculative_step_tokens: int = 0  # and the tokens they emitted
+    plain_step_us: int = 0  # whole steps (decodes only) without trees
+    plain_step_tokens: int = 0
     levels_drafted: int = 0
     nodes_offered: int = 0
     nodes_proposed: int = 0
@@ -106,16 +115,26 @@ class GsdMetrics:
 
     def _prometheus_counters(self):
         if self._counters is None:
-            try:
-                from prometheus_client import Counter
-            except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
-                self._counters = {}
-                return None
-            self._counters = {
-                f.name: Counter(f"vllm:gsd_{f.name}", f"GSD: {f.name.replace('_', ' ')}")
-                for f in fields(GsdStats)
-            }
+            self._counters = _process_counters()
         return self._counters or None
+
+
+_COUNTERS: dict | None = None
+
+
+def _process_counters() -> dict:
+    """The Prometheus counters of this process, made once: a second gsd engine in one process
+    (vLLM's in-process engine core) adds to them, as vLLM's own counters do."""
+    global _COUNTERS
+    if _COUNTERS is None:
+        try:
+            from prometheus_client import Counter
+        except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
+            _COUNTERS = {}
+            return _COUNTERS
+        _COUNTERS = {f.name: Counter(f"vllm:gsd_{f.name}", f"GSD: {f.name.replace('_', ' ')}")
+                     for f in fields(GsdStats)}
+    return _COUNTERS
 
 
 def worker_gsd_stats(worker) -> dict:

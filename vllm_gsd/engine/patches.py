@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 from vllm_gsd.engine import registry, runner_hooks
 from vllm_gsd.engine.config import GSD_METHOD, GsdConfig, finalize_gsd_speculative_config, is_gsd
-from vllm_gsd.engine.registry import Patch
+from vllm_gsd.engine.registry import Patch, Uses
 
 # ---------------------------------------------------------------------------------------------
 # Config layer (every process)
@@ -402,8 +402,57 @@ WORKER_PATCHES: list[Patch] = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------
+# What GSD relies on without patching it (checked with the patches of the same scope)
+# ---------------------------------------------------------------------------------------------
+
+_BACKENDS = "vllm.v1.attention.backends"
+
+USES: list[Uses] = [
+    Uses(f"{_RUNNER}._update_states", "scripts/profile_step.py times it", "worker"),
+    Uses(f"{_RUNNER}._model_forward", "scripts/profile_step.py times it", "worker"),
+    Uses(f"{_RUNNER}._bookkeeping_sync", "the drafter runs after it, on the sampled tokens", "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer", "GsdProposer's base: draft model, KV layers",
+         "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer.build_per_group_and_layer_attn_metadata",
+         "draft forwards' attention metadata", "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer._get_slot_mapping", "draft forwards' KV slots",
+         "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer._get_positions", "the draft's dummy runs", "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer.initialize_attn_backend",
+         "the draft layers' attention groups", "worker"),
+    Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionBackend", "the CPU graph-attention backend's base", "worker"),
+    Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionBackendImpl", "its impl's base", "worker"),
+    Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionMetadata", "its metadata's base", "worker"),
+    Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers", "pinning the cache packing",
+         "worker"),
+    Uses(f"{_BACKENDS}.triton_attn:TritonAttentionBackend", "the CUDA graph-attention backend's base", "worker"),
+    Uses(f"{_BACKENDS}.triton_attn:TritonAttentionImpl", "its impl's base", "worker"),
+    Uses(f"{_BACKENDS}.triton_attn:TritonAttentionMetadata", "its metadata's base", "worker"),
+    Uses(f"{_BACKENDS}.triton_attn:TritonAttentionMetadataBuilder", "its builder's base", "worker"),
+    Uses("vllm.v1.attention.backend:CommonAttentionMetadata", "draft forwards' attention inputs", "worker"),
+    Uses("vllm.v1.sample.rejection_sampler:RejectionSampler", "GsdRejectionSampler's base", "worker"),
+    Uses("vllm.v1.sample.sampler:Sampler.sample", "GsdSampler draws keyed rows after it", "worker"),
+    Uses("vllm.v1.sample.sampler:Sampler.compute_logprobs", "logprobs along the accepted path", "worker"),
+    Uses("vllm.v1.sample.sampler:Sampler.gather_logprobs", "logprobs along the accepted path", "worker"),
+    Uses("vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p", "vLLM's processing of sampled rows", "worker"),
+    Uses("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "TreeSpecDecodeMetadata's base", "worker"),
+    Uses("vllm.v1.outputs:SamplerOutput", "TreeSamplerOutput's base", "worker"),
+    Uses("vllm.forward_context:set_forward_context", "draft forwards", "worker"),
+]
+
+# Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the
+# instance: engine/runner_hooks.py, when the runner is built).
+RUNNER_ATTRIBUTES = ("input_batch", "requests", "discard_request_mask", "positions", "compilation_config",
+                     "attn_groups", "device", "vllm_config", "sampler", "rejection_sampler", "drafter")
+INPUT_BATCH_ATTRIBUTES = ("req_ids", "req_id_to_index", "num_reqs", "num_computed_tokens_cpu",
+                          "num_tokens_no_spec", "token_ids_cpu", "block_table", "generators")
+DRAFTER_ATTRIBUTES = ("kv_cache_gid", "input_ids", "max_num_tokens", "draft_model_config", "speculative_config")
+DRAFTER_LOADED_ATTRIBUTES = ("_draft_attn_layer_names", "model", "draft_attn_groups")  # once loaded and built
+
+
 def declare_all() -> None:
-    """Put every patch above into the registry (once)."""
+    """Put every patch and use above into the registry (once)."""
     if not registry.registered():
-        for patch in CONFIG_PATCHES + WORKER_PATCHES:
-            registry.register(patch)
+        for entry in CONFIG_PATCHES + WORKER_PATCHES + USES:
+            registry.register(entry)

@@ -8,20 +8,24 @@ returns, per request of the runner's batch, the flattened tree's node tokens (br
 docs/contracts.md), or [] where the request gets no speculation this step. The tree's shape is
 kept in `self.trees[req_id]` for the next step's verification (engine/runner_hooks.py).
 
-One step, for the requests that may grow a tree (engine/eligibility.py, and room for the tree
-before the context limit and in the allocated blocks):
+One step, for the requests that may grow a tree (engine/eligibility.py, not finishing, and room
+for the tree before the target's and the draft's context limits and in the allocated blocks):
 0. Policy (adaptive node budget, vllm_gsd.graph.budget): at this load, is drafting expected to
-   beat plain decoding? If not, nothing runs on the draft this step.
+   beat plain decoding, and do the whole steps measured so far agree (WallClockReferee)? If
+   not, nothing runs on the draft this step.
 1. Catch-up: the draft runs causally over every token it has not seen yet, up to and including
    the new root (the last sampled token), at their real positions, writing its own KV. That is
    usually the tokens the target committed this step, but after steps without drafting (high
-   load, a request not eligible yet, a prefill) it is everything since the draft last ran; it
-   is cut into forwards of at most max_num_batched_tokens. Tree slots the draft wrote last step
-   are overwritten, so its cache holds only accepted tokens.
+   load, a request not eligible yet, a prefill) it is everything since the draft last ran, and
+   for a new request everything past the prefix-cache blocks whose draft KV is known to be
+   valid (engine/draft_kv.py); it is cut into forwards of at most max_num_batched_tokens. Tree
+   slots the draft wrote last step are overwritten, so its cache holds only accepted tokens.
 2. Expansion: the hypothesis graph (vllm_gsd.graph.GraphBuilder) grows level by level; each level
    is ONE draft forward over the frontier rows of every request, where graph row g is written to
    KV position root_pos + g, rotated at root_pos + depth(g), and attends to the context plus its
-   primary ancestors (graph mask). The policy stops early when another level is not worth its cost.
+   primary ancestors (graph mask). Children are the draft's top-k (greedy requests) or its
+   Gumbel-top-k under the request's own sampling and noise (sampled requests, engine/sampling.py).
+   The policy stops early when another level is not worth its cost.
 3. The graph is unrolled into the verification tree; the policy keeps each request's most likely
    nodes, as many as maximize the batch's expected tokens per second.
 Everything here is deterministic given the batch (the cost curves are shared by all ranks), so
@@ -46,10 +50,12 @@ from vllm_gsd.engine.draft_kv import DraftKvLedger, DraftProgress
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
+from vllm_gsd.engine.sampling import is_sampled, noise_key, processed_scores
 from vllm_gsd.engine.scorer import rows_per_chunk
 from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot
-from vllm_gsd.graph import GraphBuilder, GraphParams, VerificationTree, warm_up
-from vllm_gsd.graph.budget import NodeBudgetPolicy
+from vllm_gsd.graph import GraphBuilder, VerificationTree, warm_up
+from vllm_gsd.graph.budget import Decision, NodeBudgetPolicy, WallClockReferee
+from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -66,6 +72,16 @@ class ProposedTree:
 
 
 @dataclass(frozen=True)
+class _Sampling:
+    """How a sampled request's children are drawn (engine/sampling.py)."""
+
+    noise_key: int
+    temperature: float
+    top_k: int  # 0: all
+    top_p: float
+
+
+@dataclass(frozen=True)
 class _Candidate:
     """A request that grows a tree this step."""
 
@@ -73,6 +89,7 @@ class _Candidate:
     req_id: str
     catch_up_from: int  # first position whose draft KV is missing
     root_pos: int  # position of the root (the last sampled token)
+    sampling: _Sampling | None  # None: greedy (the draft's deterministic top-k)
 
 
 @dataclass
@@ -95,19 +112,14 @@ class GsdProposer(DraftModelProposer):
         spec = self.speculative_config
         knobs = spec.gsd
         self.node_budget = spec.num_speculative_tokens
-        self.graph_params = GraphParams(
-            node_budget=self.node_budget,
-            top_k=knobs.top_k,
-            max_depth=knobs.max_depth,
-            merge_ngram=knobs.merge_ngram,
-            min_child_ratio=knobs.min_child_ratio,
-            leaf_prob=knobs.leaf_prob,
-        )
+        self.graph_params = knobs.graph_params(self.node_budget)
         self.history_len = max(knobs.merge_ngram, 0)
         # Positions the draft may hold: vLLM clamps the draft's max_model_len to the target's.
         self.max_model_len = spec.draft_model_config.max_model_len
         self.trees: dict[str, ProposedTree] = {}
         self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
+        self.referee: WallClockReferee | None = None  # the adaptive budget's veto (measured curves only)
+        self._last_step: tuple[float, bool] | None = None  # (when the last step's drafting began, it drafted)
         self._draft: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
         self._ledger: DraftKvLedger | None = None  # made once the block size is known
         # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
@@ -126,6 +138,8 @@ class GsdProposer(DraftModelProposer):
         # Curves measured here time bare forwards: real step times refine them (a user's are kept).
         self.policy = NodeBudgetPolicy(target_cost, draft_cost, self.node_budget, knobs.max_depth,
                                        learn_scales=knobs.cost_curve is None)
+        # Whole steps as they run decide in the end; curves a user gave are taken as they are.
+        self.referee = WallClockReferee() if knobs.cost_curve is None else None
 
     def record_target_forward(self, num_tokens: int, seconds: float, verified_trees: bool) -> None:
         """The runner's target forward of this step took `seconds` (engine/runner_hooks.py)."""
@@ -133,20 +147,34 @@ class GsdProposer(DraftModelProposer):
             self._step_times.append(("tree" if verified_trees else "plain",
                                      float(self.policy.target_cost(num_tokens)), seconds))
 
-    def _learn_step_times(self) -> None:
-        """Give the policy the measured times (the slowest tensor-parallel rank's, so that every
-        rank's policy learns the same scales)."""
-        if not self._step_times:
+    def _learn_step_times(self, scheduler_output, valid_sampled_token_ids, stats: GsdStats) -> None:
+        """Give the policy the measured times of the step that just finished: the whole step's
+        wall time to the referee, the forwards' to the cost scales (the slowest tensor-parallel
+        rank's, so that every rank decides the same)."""
+        if self.policy is None:
             return
-        measured = torch.tensor([t for _, _, t in self._step_times], dtype=torch.float64)
+        now = time.perf_counter()
+        last, self._last_step = self._last_step, (now, bool(scheduler_output.scheduled_spec_decode_tokens))
+        if last is None:
+            return
+        measured = torch.tensor([now - last[0]] + [t for _, _, t in self._step_times], dtype=torch.float64)
         if self.vllm_config.parallel_config.tensor_parallel_size > 1:
             from vllm.distributed import get_tp_group
 
             torch.distributed.all_reduce(measured, op=torch.distributed.ReduceOp.MAX,
                                          group=get_tp_group().cpu_group)
-        for (kind, predicted, _), seconds in zip(self._step_times, measured.tolist()):
+        step_seconds, *forward_seconds = measured.tolist()
+        for (kind, predicted, _), seconds in zip(self._step_times, forward_seconds):
             self.policy.observe_time(kind, predicted, seconds)
         self._step_times.clear()
+        if self.referee is not None and _all_decodes(scheduler_output):  # a prefill would skew the rate
+            speculative, tokens = last[1], sum(len(t) for t in valid_sampled_token_ids)
+            self.referee.observe(speculative, len(valid_sampled_token_ids), tokens, step_seconds)
+            us = int(step_seconds * 1e6)
+            if speculative:
+                stats.speculative_step_us, stats.speculative_step_tokens = us, tokens
+            else:
+                stats.plain_step_us, stats.plain_step_tokens = us, tokens
 
     def _record(self, stats: GsdStats) -> None:
         """Add this step's drafting figures to the worker's GSD metrics."""
@@ -161,13 +189,13 @@ class GsdProposer(DraftModelProposer):
                      ) -> list[list[int]]:
         batch = runner.input_batch
         req_ids = list(batch.req_ids[:batch.num_reqs])
-        self._learn_step_times()
+        stats = GsdStats()
+        self._learn_step_times(scheduler_output, valid_sampled_token_ids, stats)
         self._observe_verified(req_ids, scheduler_output, valid_sampled_token_ids)
         self._forget_finished(scheduler_output.finished_req_ids)
         # A request left out of this step keeps its tree: the scheduler keeps its draft tokens.
         in_batch = set(req_ids)
         self.trees = {r: tree for r, tree in self.trees.items() if r not in in_batch}
-        stats = GsdStats()
         drafts: list[list[int]] = [[] for _ in req_ids]
         candidates, num_plain = self._tree_candidates(runner, scheduler_output, req_ids,
                                                       valid_sampled_token_ids)
@@ -176,6 +204,11 @@ class GsdProposer(DraftModelProposer):
             return drafts
         if self.policy is not None:
             decision = self.policy.should_draft(len(candidates), num_plain)
+            if decision and self.referee is not None:
+                allowed, why = self.referee.allows(len(req_ids))
+                if not allowed:
+                    decision = Decision(False, why)
+                    stats.steps_vetoed += 1
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, "draft" if decision else "plain step", decision.why)
             if not decision:
@@ -281,8 +314,15 @@ class GsdProposer(DraftModelProposer):
                 num_plain += 1
                 continue
             # The root is run again when the draft already holds it: its logits are needed.
-            candidates.append(_Candidate(i, req_id, min(progress.known, root_pos), root_pos))
+            candidates.append(_Candidate(i, req_id, min(progress.known, root_pos), root_pos,
+                                         self._sampling_of(req_id, runner.requests[req_id].sampling_params)))
         return candidates, num_plain
+
+    def _sampling_of(self, req_id: str, params) -> _Sampling | None:
+        if not is_sampled(params):
+            return None
+        return _Sampling(noise_key(req_id, params, self.vllm_config.model_config.seed), float(params.temperature),
+                         max(int(params.top_k), 0), float(params.top_p))
 
     def _ledger_of(self, runner) -> DraftKvLedger:
         if self._ledger is None:
@@ -379,7 +419,11 @@ class GsdProposer(DraftModelProposer):
                 stats.levels_drafted += 1
                 if policy is not None:
                     policy.observe_forward(level, num_rows, len(candidates))
-            top_tokens, top_probs = self._children(frontier_hidden, stats)
+            if level == 0:
+                rows_request, rows_depth = np.arange(len(candidates)), np.zeros(len(candidates), np.int64)
+            else:
+                rows_request, rows_depth = frontier.request_index.numpy(), frontier.depth.numpy()
+            top_tokens, top_probs = self._children(frontier_hidden, stats, candidates, rows_request, rows_depth)
             builder.expand(top_tokens, top_probs)
             if policy is not None:
                 policy.observe_children(top_probs[:, 0].double().numpy())
@@ -490,19 +534,52 @@ class GsdProposer(DraftModelProposer):
             self._curve_seconds += float(self.policy.draft_cost(num_tokens))
         return hidden_states[torch.from_numpy(sample_index).to(device)]
 
-    def _children(self, hidden: torch.Tensor, stats: GsdStats) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft's top_k children of each row: (tokens int64 [R, k], probs float32 [R, k]),
-        CPU. The LM head and its softmax run in row chunks (one [chunk, V] float32 copy at a time)."""
+    def _children(self, hidden: torch.Tensor, stats: GsdStats, candidates: list[_Candidate] | None = None,
+                  request_index: np.ndarray | None = None, depth: np.ndarray | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's top_k children of each row: (tokens int64 [R, k], probs float32 [R, k],
+        descending), CPU. Row r belongs to candidates[request_index[r]] at primary depth
+        depth[r]. Greedy requests: the top-k of the draft's softmax. Sampled requests: the
+        Gumbel-top-k of the draft's processed scores with the noise of the children's position
+        (engine/sampling.py), probs under the noisy softmax. The LM head and its softmax run in
+        row chunks (one [chunk, V] float32 copy at a time)."""
         started = time.perf_counter()
-        tokens, probs = [], []
+        k = self.graph_params.top_k
+        tokens = torch.empty((hidden.shape[0], k), dtype=torch.int64)
+        probs = torch.empty((hidden.shape[0], k), dtype=torch.float32)
+        sampled = np.zeros(hidden.shape[0], dtype=bool)
+        if candidates is not None:
+            sampled = np.asarray([candidates[b].sampling is not None for b in request_index], dtype=bool)
         chunk = rows_per_chunk(self._vocab_size)
         for lo in range(0, hidden.shape[0], chunk):
             logits = self.model.compute_logits(hidden[lo:lo + chunk])
-            top_probs, top_tokens = torch.softmax(logits.float(), dim=-1).topk(self.graph_params.top_k, dim=-1)
-            tokens.append(top_tokens.cpu())
-            probs.append(top_probs.cpu())
+            rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
+            greedy = rows[~sampled[rows]]
+            if greedy.size:
+                top_probs, top_tokens = torch.softmax(logits[greedy - lo].float(), dim=-1).topk(k, dim=-1)
+                tokens[greedy], probs[greedy] = top_tokens.cpu(), top_probs.cpu()
+            drawn = rows[sampled[rows]]
+            if drawn.size:
+                tokens[drawn], probs[drawn] = self._sampled_children(logits[drawn - lo], candidates,
+                                                                     request_index[drawn], depth[drawn])
         stats.draft_logits_us += int((time.perf_counter() - started) * 1e6)
-        return torch.cat(tokens), torch.cat(probs)
+        return tokens, probs
+
+    def _sampled_children(self, logits: torch.Tensor, candidates: list[_Candidate], request_index: np.ndarray,
+                          depth: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        settings = [candidates[b].sampling for b in request_index]
+        device, vocab = logits.device, logits.shape[-1]
+        top_k = [s.top_k if s.top_k > 0 else vocab for s in settings]
+        top_p = [s.top_p for s in settings]
+        scores = processed_scores(
+            logits, torch.tensor([s.temperature for s in settings], device=device),
+            None if all(k == vocab for k in top_k) else torch.tensor(top_k, device=device),
+            None if all(p >= 1.0 for p in top_p) else torch.tensor(top_p, device=device))
+        # Children of a depth-d row sit at position root_pos + d + 1.
+        positions = np.asarray([candidates[b].root_pos for b in request_index]) + depth + 1
+        noise = gumbel_noise(np.asarray([s.noise_key for s in settings]), positions, vocab, device)
+        top_tokens, top_probs = gumbel_top_k(scores, noise, self.graph_params.top_k)
+        return top_tokens.cpu(), top_probs.cpu()
 
     # ------------------------------------------------------------------------------ dummy runs
 
@@ -523,6 +600,12 @@ class GsdProposer(DraftModelProposer):
     @property
     def _vocab_size(self) -> int:
         return self.draft_model_config.get_vocab_size()
+
+
+def _all_decodes(scheduler_output) -> bool:
+    """Every request of the step decoded (its root plus its draft tokens, no prompt tokens)."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return all(n == 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
 
 
 def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:

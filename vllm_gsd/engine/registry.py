@@ -11,6 +11,11 @@ when it applies:
 Before anything is applied, `check_vllm_version` refuses a vLLM other than the pinned one, and
 every target is resolved first: a missing target (vLLM moved something) fails with an error that
 names it, before any patch has been applied. Applying is idempotent per process.
+
+Beyond what it patches, GSD reads and subclasses parts of vLLM: those are declared too, as
+`Uses` (a class, function or class attribute, resolved with the patches of its scope) and
+`require_attributes` (attributes an instance gets in its constructor, checked on the instance
+when GSD first meets it), so a vLLM change fails at start with the name of what moved.
 """
 
 from __future__ import annotations
@@ -59,13 +64,37 @@ class Patch:
             raise ValueError(f"patch {self.target}: give exactly one of wrap / mutate")
 
 
+@dataclass(frozen=True)
+class Uses:
+    """A part of vLLM that GSD relies on without changing it (read, called or subclassed)."""
+
+    target: str
+    why: str
+    scope: Scope
+
+
 _REGISTRY: list[Patch] = []
+_USES: list[Uses] = []
 _APPLIED: set[str] = set()
 
 
-def register(patch: Patch) -> Patch:
-    _REGISTRY.append(patch)
+def register(patch: Patch | Uses) -> Patch | Uses:
+    (_USES if isinstance(patch, Uses) else _REGISTRY).append(patch)
     return patch
+
+
+def used(scope: Scope | None = None) -> list[Uses]:
+    return [u for u in _USES if scope is None or u.scope == scope]
+
+
+def require_attributes(obj: Any, names: tuple[str, ...], what: str) -> None:
+    """Fail by name if `obj` (an instance of vLLM's) lacks any of `names`."""
+    missing = [name for name in names if not hasattr(obj, name)]
+    if missing:
+        raise PatchTargetMissing(
+            f"vllm-gsd relies on {what}.{', '.join(missing)}, missing in this vLLM "
+            f"(expected {PINNED_VLLM_VERSION})"
+        )
 
 
 def registered(scope: Scope | None = None) -> list[Patch]:
@@ -122,6 +151,8 @@ def apply(scope: Scope) -> list[str]:
     """Apply every not-yet-applied patch of `scope`; return the targets applied now."""
     check_vllm_version()
     pending = [p for p in registered(scope) if p.target not in _APPLIED]
+    for use in used(scope):
+        resolve(use.target)
     resolved = [(p, resolve(p.target)) for p in pending]  # all targets checked before any change
     for patch, (owner, name, current) in resolved:
         if patch.wrap is not None:

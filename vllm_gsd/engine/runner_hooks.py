@@ -11,7 +11,7 @@ Per step of a gsd engine:
 * `_sample`: the rejection sampler is GsdRejectionSampler (engine/scorer.py), which scores the
   trees; then the accepted nodes' KV moves to consecutive positions (`_compact_target_kv`) and
   GSD's counters are updated. The sampler is GsdSampler, told each step (in `_prepare_inputs`)
-  which roots are drawn from u(seed, position), and a partial prefill's discarded row leaves its
+  which roots are drawn with keyed noise (engine/sampling.py), and a partial prefill's discarded row leaves its
   request's generator alone.
 * `_dummy_run` (vLLM's dummy, profile and warm-up runs): the draft model runs too, as vLLM runs
   its own draft_model drafter there; no tree, no request state.
@@ -33,9 +33,11 @@ import numpy as np
 import torch
 
 from vllm_gsd.engine.config import is_gsd
+from vllm_gsd.engine.cost_calibration import synchronize
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.graph_attention_backend import install_tree_slot
 from vllm_gsd.engine.metrics import GsdMetrics
+from vllm_gsd.engine.sampling import is_sampled, noise_key
 from vllm_gsd.engine.tree_batch import (
     TreeAttention,
     TreeBatch,
@@ -82,6 +84,7 @@ def wrap_runner_init(original):
             spec.method = "gsd"
         self.gsd = GsdRunnerState()
         if hasattr(self, "drafter"):  # the last pipeline rank
+            _check_vllm_attributes(self)
             self.drafter = GsdProposer(vllm_config, self.device, self, self.gsd.tree_slot)
             self.drafter.metrics = self.gsd.metrics
             self.sampler = GsdSampler(logprobs_mode=self.sampler.logprobs_mode,
@@ -133,6 +136,7 @@ def wrap_execute_model(original):
             return original(self, scheduler_output, *args, **kwargs)
         finally:
             self.gsd.pending_attention = None
+            synchronize(self.device)  # CUDA runs ahead of the host: time the forward, not its launch
             seconds = time.perf_counter() - started
             self.gsd.metrics.add(target_forward_us=int(seconds * 1e6))
             self.drafter.record_target_forward(scheduler_output.total_num_scheduled_tokens,
@@ -220,6 +224,7 @@ def wrap_initialize_metadata_builders(original):
         original(self, kv_cache_config, kernel_block_sizes)
         if _gsd_runner(self):
             self.drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+            _check_vllm_attributes(self, loaded=True)
             install_tree_slot(self.attn_groups, self.gsd.tree_slot)
             install_tree_slot(self.drafter.draft_attn_groups, self.gsd.tree_slot)
 
@@ -227,6 +232,20 @@ def wrap_initialize_metadata_builders(original):
 
 
 # ------------------------------------------------------------------------------------------
+
+
+def _check_vllm_attributes(runner, loaded: bool = False) -> None:
+    """The attributes of vLLM's runner, batch and drafter GSD reads (engine/patches.py): when the
+    runner is built, and (loaded) once the draft model and its attention groups exist."""
+    from vllm_gsd.engine import patches
+    from vllm_gsd.engine.registry import require_attributes
+
+    if loaded:
+        require_attributes(runner.drafter, patches.DRAFTER_LOADED_ATTRIBUTES, "DraftModelProposer")
+        return
+    require_attributes(runner, patches.RUNNER_ATTRIBUTES, "GPUModelRunner")
+    require_attributes(runner.input_batch, patches.INPUT_BATCH_ATTRIBUTES, "InputBatch")
+    require_attributes(runner.drafter, patches.DRAFTER_ATTRIBUTES, "DraftModelProposer")
 
 
 def _refuse_several_kv_groups(kv_cache_config) -> None:
@@ -262,25 +281,25 @@ def _park_generators_of_discarded_rows(runner) -> None:
 
 
 def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
-    """The rows GsdSampler draws from u(seed, position): seeded random requests that the tree
-    path serves, sampling this step (not a partial prefill), whether they have a tree or not.
+    """The rows GsdSampler draws with keyed noise: seeded sampled requests that the tree path
+    serves, sampling this step (not a partial prefill), whether they have a tree or not.
 
     Row 0 samples the token at position num_computed + num_scheduled - num_nodes (the root's
     position + 1), the position a tree's own row 0 is keyed by (engine/scorer.py)."""
-    from vllm_gsd.engine.scorer import _SAMPLING_EPS, KeyedRoots
+    from vllm_gsd.engine.scorer import KeyedRoots
 
     batch = runner.input_batch
     discarded = runner.discard_request_mask.np[:batch.num_reqs]
-    keyed = KeyedRoots(rows=[], seeds=[], positions=[])
+    keyed = KeyedRoots(rows=[], keys=[], positions=[])
     for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
         state = runner.requests[req_id]
         params = state.sampling_params
-        if (discarded[i] or params is None or params.seed is None or params.temperature < _SAMPLING_EPS
+        if (discarded[i] or not is_sampled(params) or params.seed is None
                 or tree_refusal_reason(params, len(state.output_token_ids)) is not None):
             continue
         num_nodes = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
         keyed.rows.append(i)
-        keyed.seeds.append(params.seed)
+        keyed.keys.append(noise_key(req_id, params, runner.vllm_config.model_config.seed))
         keyed.positions.append(int(batch.num_computed_tokens_cpu[i]) + int(num_scheduled_tokens[i]) - num_nodes)
     return keyed
 
@@ -299,7 +318,7 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
     parent_row, depth = chain_trees(num_draft)
     via_merge = torch.zeros(parent_row.shape, dtype=torch.bool)
     tree_base = np.zeros(num_reqs, dtype=np.int64)
-    seeds: list[int | None] = [None] * num_reqs
+    keys: list[int | None] = [None] * num_reqs
     rotated_rows, rotated_positions = [], []
     for req_id, draft_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
         num_nodes = len(draft_tokens)
@@ -318,12 +337,13 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
         rotated_rows.append(np.arange(first + 1, first + 1 + num_nodes))
         rotated_positions.append(tree_base[i] + depth[i, :num_nodes].numpy())
         params = runner.requests[req_id].sampling_params
-        seeds[i] = None if params is None else params.seed
+        if is_sampled(params):
+            keys[i] = noise_key(req_id, params, runner.vllm_config.model_config.seed)
     if rotated_rows:  # one copy for the whole batch
         rows = torch.from_numpy(np.concatenate(rotated_rows)).to(runner.positions.device)
         runner.positions[rows] = torch.from_numpy(np.concatenate(rotated_positions)).to(runner.positions.device)
     return build_tree_batch(parent_row, depth, torch.tensor(num_draft, dtype=torch.int64), tree_base,
-                            via_merge, seeds, query_start_loc, runner.device)
+                            via_merge, keys, query_start_loc, runner.device)
 
 
 def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:

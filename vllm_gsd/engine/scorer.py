@@ -6,25 +6,21 @@ n tree nodes in breadth-first order), and the result's `sampled_token_ids` is
 `[batch, max_spec_len + 1]`: the accepted path's tokens and then one token of the target, -1
 padded. The scheduler's rollback and every speculative-decoding metric work unchanged.
 
-The target's token at every row:
-* row 0 (the root): vLLM's own Sampler, on the root rows of the whole batch, so requests without
-  a tree (and their penalties, processors) are sampled exactly as without speculation; in a gsd
-  engine that Sampler is `GsdSampler`, which draws the root of a seeded request that the tree
-  path serves (engine/eligibility.py) keyed by position, tree or not (see below);
-* rows >= 1 of a greedy request: the same greedy argmax vLLM uses;
-* every row of a random request with a tree: a draw from the row's distribution after
-  temperature, top-k and top-p (vLLM's `apply_top_k_top_p`); a seeded request's uniforms are keyed
-  by the position of the token drawn, so its text is the same in any batch.
-A seeded request thus draws every token, tree row or root, from u(seed, position): its text is
-the same whether a step had a tree, a tree cut short by the token budget, or none (preemption,
-the context limit, a batch of prefills), i.e. the same in any batch.
-The walk (vllm_gsd.graph.walk_tree) follows the child equal to the row's token, or emits it and
-stops. Every emitted token is thus the target's own choice (greedy) or a real draw from the
-target's distribution (sampling) given its accepted prefix: exact, for any tree.
+The target's token at a row, and the walk (vllm_gsd.graph.walk_tree: follow the child that
+carries the row's token, or emit it and stop):
+* row 0 (the root) of every request: vLLM's own Sampler on the root rows of the whole batch, so
+  requests without a tree (and their penalties, processors) are sampled exactly as without
+  speculation; in a gsd engine that Sampler is `GsdSampler` (below);
+* rows >= 1 of a greedy request: vLLM's greedy argmax;
+* a sampled request with a tree: walked row by row from the root, each visited row's token the
+  Gumbel-max draw argmax(processed scores + G(key, position)) of engine/sampling.py, the noise
+  the draft chose the row's children with. Every emitted token is the target's own draw given
+  its accepted prefix: the output follows the target's distribution exactly, for any tree, and
+  a seeded request's text does not depend on the batch.
+Vocabulary-sized float copies are made in row chunks of at most MAX_CHUNK_BYTES.
 
 The result carries the accepted rows too (`TreeSamplerOutput.accepted`): the runner hook moves
-the accepted nodes' KV to consecutive positions (engine/runner_hooks.py). Vocabulary-sized float
-copies are made in row chunks of at most MAX_CHUNK_BYTES.
+the accepted nodes' KV to consecutive positions (engine/runner_hooks.py).
 """
 
 from __future__ import annotations
@@ -34,45 +30,29 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_gsd.engine.sampling import SAMPLING_EPS, processed_scores
 from vllm_gsd.engine.tree_batch import TreeSpecDecodeMetadata, chain_trees
-from vllm_gsd.graph import AcceptedPaths, sample_rows, walk_tree
-from vllm_gsd.graph.counter_rng import counter_uniforms
-
-_SAMPLING_EPS = 1e-5
-
-
-def draw_processed(row_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                   top_p: torch.Tensor | None, uniforms: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: an inverse-CDF draw per row from its distribution after temperature, then
-    top-k / top-p (vLLM's processing of draft rows).
-
-    row_logits: float32 [R, V], processed in place; temperature float [R] (rows under epsilon are
-    divided by 1: the caller takes their greedy token); top_k, top_p [R] or None; uniforms [R].
-    """
-    is_greedy = temperature < _SAMPLING_EPS
-    processed = row_logits.div_(torch.where(is_greedy, 1.0, temperature).unsqueeze(-1))
-    processed = apply_top_k_top_p(processed, top_k, top_p)
-    return sample_rows(torch.softmax(processed, dim=-1), uniforms)
+from vllm_gsd.graph import AcceptedPaths, walk_tree
+from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
 
 
 @dataclass
 class KeyedRoots:
-    """This step's root rows drawn from u(seed, position) (set by engine/runner_hooks.py)."""
+    """This step's root rows that GsdSampler draws with keyed noise (engine/runner_hooks.py)."""
 
-    rows: list[int]  # batch index of each seeded, random request the tree path serves
-    seeds: list[int]
+    rows: list[int]  # batch index of each seeded, sampled request the tree path serves
+    keys: list[int]  # its noise key (engine/sampling.py)
     positions: list[int]  # absolute position of the token each row samples
 
 
 class GsdSampler(Sampler):
-    """vLLM's Sampler, except that the rows in `keyed` are drawn by `draw_processed` from
-    u(seed, position), as tree rows are: a seeded request then samples the same token at a
-    position whether a tree verified it or not. Logprobs follow the token drawn (vLLM gathers
-    them after `sample`)."""
+    """vLLM's Sampler, except that the rows in `keyed` are the Gumbel-max draws of
+    engine/sampling.py, as tree rows are: a seeded request samples the same token at a position
+    whether a tree verified it or not. Logprobs follow the token drawn (vLLM gathers them after
+    `sample`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,14 +63,13 @@ class GsdSampler(Sampler):
         if keyed is None or not keyed.rows or max(keyed.rows) >= logits.shape[0]:
             return super().sample(logits, sampling_metadata, logprobs_mode_override)
         rows = torch.tensor(keyed.rows, dtype=torch.int64, device=logits.device)
-        keyed_logits = logits[rows].to(torch.float32)  # a copy: vLLM processes logits in place
-        sampled, processed_logprobs = super().sample(logits, sampling_metadata, logprobs_mode_override)
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        uniforms = torch.from_numpy(counter_uniforms(np.asarray(keyed.seeds), np.asarray(keyed.positions)))
-        sampled[rows] = draw_processed(
-            keyed_logits, sampling_metadata.temperature[rows],
-            None if top_k is None else top_k[rows], None if top_p is None else top_p[rows],
-            uniforms.to(logits.device)).to(sampled.dtype)
+        # Before vLLM's sampler, which processes the logits in place.
+        scores = processed_scores(logits[rows], sampling_metadata.temperature[rows],
+                                  None if top_k is None else top_k[rows], None if top_p is None else top_p[rows])
+        sampled, processed_logprobs = super().sample(logits, sampling_metadata, logprobs_mode_override)
+        noise = gumbel_noise(np.asarray(keyed.keys), np.asarray(keyed.positions), logits.shape[-1], logits.device)
+        sampled[rows] = gumbel_argmax(scores, noise).to(sampled.dtype)
         return sampled, processed_logprobs
 
 
@@ -116,7 +95,7 @@ class GsdRejectionSampler(RejectionSampler):
 
     `metadata` is a TreeSpecDecodeMetadata carrying the step's TreeBatch (engine/tree_batch.py);
     vLLM's own SpecDecodeMetadata (its dummy sampler runs) is scored as chains of its draft
-    tokens, with unseeded draws.
+    tokens, with fresh noise.
     """
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata) -> TreeSamplerOutput:
@@ -141,11 +120,12 @@ class GsdRejectionSampler(RejectionSampler):
                 parent_row, depth = tree.parent_row[:, :max_nodes], tree.depth[:, :max_nodes]
             else:
                 parent_row, depth = chain_trees(num_draft)
-            self._fill_node_rows(row_target, logits, num_draft, row_start, depth, tree, sampling_metadata)
-            draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64, device=device)
+            draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
             valid = torch.arange(max_nodes)[None, :] < rows_per_request[:, None] - 1
-            draft_token_ids[valid.to(device)] = metadata.draft_token_ids.to(device, torch.int64)
-            accepted = walk_tree(draft_token_ids, parent_row.to(device),
+            draft_token_ids[valid] = metadata.draft_token_ids.cpu().to(torch.int64)
+            self._fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
+                                 tree, sampling_metadata)
+            accepted = walk_tree(draft_token_ids.to(device), parent_row.to(device),
                                  torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
         else:  # a plain step (no trees): every request emits its root token
             accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
@@ -162,58 +142,67 @@ class GsdRejectionSampler(RejectionSampler):
 
     # --------------------------------------------------------------------------------------
 
-    def _fill_node_rows(self, row_target, logits, num_draft, row_start, depth, tree, sampling_metadata):
-        """The target's token at rows 1..n of every request with a tree.
+    def _fill_node_rows(self, row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
+                        tree, sampling_metadata):
+        """The target's token at the rows each request's walk needs.
 
-        Greedy: vLLM's greedy argmax. Random: every row draws from its processed distribution
-        by inverse CDF; a seeded request's uniform is keyed by the absolute position of the
-        token drawn (graph/counter_rng.py), so its text does not depend on the trees or the
-        batch; others use the global generator. Rows are processed in chunks (MAX_CHUNK_BYTES).
+        Greedy requests: vLLM's greedy argmax at rows 1..n (the walk reads any of them). Sampled
+        requests with a tree: `_walk_sampled` draws the rows on their walk (row 0 included).
         """
         device = logits.device
         counts = torch.tensor(num_draft, dtype=torch.int64)
+        if sampling_metadata.all_greedy:
+            sampled = torch.zeros(len(num_draft), dtype=torch.bool)
+        else:
+            sampled = sampling_metadata.temperature.cpu() >= SAMPLING_EPS
         request_of_row = torch.repeat_interleave(torch.arange(len(num_draft)), counts + 1)
         local_row = torch.arange(logits.shape[0]) - row_start[request_of_row]
-        has_tree = counts[request_of_row] > 0
-        if sampling_metadata.all_greedy:
-            is_random = torch.zeros_like(has_tree)
-        else:
-            is_random = (sampling_metadata.temperature.cpu() >= _SAMPLING_EPS)[request_of_row]
-        greedy_rows = torch.nonzero(has_tree & ~is_random & (local_row > 0)).squeeze(1)
-        random_rows = torch.nonzero(has_tree & is_random).squeeze(1)  # row 0 included: it is keyed too
-        if greedy_rows.numel():
-            tokens = logits[greedy_rows.to(device)].argmax(dim=-1)  # vLLM's greedy pick, no fp32 copy
-            row_target[request_of_row[greedy_rows].to(device), local_row[greedy_rows].to(device)] = tokens
-        if not random_rows.numel():
-            return
-        uniforms = self._row_uniforms(random_rows, request_of_row, local_row, depth, tree)
-        requests = request_of_row[random_rows]
-        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
+        greedy_rows = torch.nonzero((counts > 0)[request_of_row] & ~sampled[request_of_row]
+                                    & (local_row > 0)).squeeze(1)
         chunk = rows_per_chunk(logits.shape[-1])
-        for lo in range(0, random_rows.numel(), chunk):
-            rows, req = random_rows[lo:lo + chunk].to(device), requests[lo:lo + chunk].to(device)
-            # A copy: `logits` stays raw for the logprobs of the accepted path.
-            drawn = draw_processed(
-                logits[rows].to(torch.float32), sampling_metadata.temperature[req],
-                None if top_k is None else top_k[req], None if top_p is None else top_p[req],
-                uniforms[lo:lo + chunk].to(device))
-            row_target[req, local_row[random_rows[lo:lo + chunk]].to(device)] = drawn
+        for lo in range(0, greedy_rows.numel(), chunk):
+            rows = greedy_rows[lo:lo + chunk]
+            tokens = logits[rows.to(device)].argmax(dim=-1)  # vLLM's greedy pick, no fp32 copy
+            row_target[request_of_row[rows].to(device), local_row[rows].to(device)] = tokens
+        walkers = torch.nonzero((counts > 0) & sampled).squeeze(1)
+        if walkers.numel():
+            self._walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids,
+                               tree, sampling_metadata)
 
     @staticmethod
-    def _row_uniforms(rows, request_of_row, local_row, depth, tree) -> torch.Tensor:
-        """float64 [len(rows)]: a seeded request's row r samples the token at absolute
-        position tree_base + depth(r) + 1 with u(seed, position); other rows draw fresh."""
-        uniforms = torch.rand(rows.numel(), dtype=torch.float64)
-        if tree is None:
-            return uniforms
-        request, local = request_of_row[rows], local_row[rows]
-        row_depth = torch.where(local > 0, depth[request, (local - 1).clamp(min=0)], 0)
-        seeded = [b for b in range(len(tree.seed)) if tree.seed[b] is not None]
-        for b in seeded:
-            mine = torch.nonzero(request == b).squeeze(1)
-            positions = tree.tree_base[b] + row_depth[mine].numpy() + 1
-            uniforms[mine] = torch.from_numpy(counter_uniforms(tree.seed[b], positions))
-        return uniforms
+    def _walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
+                      sampling_metadata) -> None:
+        """Walk the trees of sampled requests, one level per iteration (batched over requests):
+        draw the current row's token with its noise, move to the child carrying it."""
+        device = logits.device
+        vocab = logits.shape[-1]
+        num_nodes = (parent_row >= 0).sum(1)
+        # A request without keys (vLLM's dummy runs) draws fresh noise.
+        keys = (np.asarray([tree.noise_key[b] for b in walkers.tolist()], dtype=np.int64) if tree is not None
+                else np.random.randint(0, 2**62, walkers.numel()))
+        tree_base = (tree.tree_base[walkers.numpy()] if tree is not None else np.zeros(walkers.numel(), np.int64))
+        temperature, top_k, top_p = (sampling_metadata.temperature, sampling_metadata.top_k,
+                                     sampling_metadata.top_p)
+        current = torch.zeros(walkers.numel(), dtype=torch.int64)  # row of each walk
+        active = torch.ones(walkers.numel(), dtype=torch.bool)
+        nodes = torch.arange(1, parent_row.shape[1] + 1)
+        while bool(active.any()):
+            index = torch.nonzero(active).squeeze(1)
+            requests = walkers[index]
+            rows = row_start[requests] + current[index]
+            row_depth = torch.where(current[index] > 0, depth[requests, (current[index] - 1).clamp(min=0)], 0)
+            req = requests.to(device)
+            scores = processed_scores(logits[rows.to(device)], temperature[req],
+                                      None if top_k is None else top_k[req], None if top_p is None else top_p[req])
+            noise = gumbel_noise(keys[index.numpy()], tree_base[index.numpy()] + row_depth.numpy() + 1, vocab, device)
+            tokens = gumbel_argmax(scores, noise).cpu()
+            row_target[req, current[index].to(device)] = tokens.to(device)
+            # The lowest-row child of the current row that carries the token (walk_tree's rule).
+            is_child = ((parent_row[requests] == current[index, None]) & (nodes[None, :] <= num_nodes[requests, None])
+                        & (draft_token_ids[requests] == tokens[:, None]))
+            found = is_child.any(1)
+            current[index] = torch.where(found, is_child.int().argmax(1) + 1, current[index])
+            active[index] = found
 
     def _path_logprobs(self, logits, row_start, accepted: AcceptedPaths, max_num_logprobs):
         """Raw logprobs of every emitted token, from the row that predicted it."""

@@ -90,7 +90,7 @@ class TreeBatch:
         draft tokens has num_nodes 0; draft tokens that match no proposed tree are a chain;
     num_nodes: int64 [B]; tree_base: int64 [B], KV position of the root (row 0);
     via_merge: bool [B, Nmax], node copied from a merged graph node (metrics only);
-    seed: per request its sampling seed, or None;
+    noise_key: per request the key of its sampling noise (engine/sampling.py), None if greedy;
     attention: the same trees as the attention layers see them.
     """
 
@@ -99,7 +99,7 @@ class TreeBatch:
     num_nodes: torch.Tensor
     tree_base: np.ndarray
     via_merge: torch.Tensor
-    seed: list[int | None]
+    noise_key: list[int | None]
     attention: TreeAttention
 
 
@@ -133,7 +133,7 @@ def chain_trees(num_draft_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor
 
 
 def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
-                     tree_base: np.ndarray, via_merge: torch.Tensor, seed: list[int | None],
+                     tree_base: np.ndarray, via_merge: torch.Tensor, noise_key: list[int | None],
                      query_start_loc: np.ndarray, device: torch.device) -> TreeBatch:
     """The step's TreeBatch from per-row trees (see TreeBatch) and the forward's
     query_start_loc (int [B + 1], host): a request's tree rows are its last n + 1 tokens."""
@@ -149,7 +149,7 @@ def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: t
     words = ancestor_words_from_parents(parent_row[index], num_nodes[index])
     attention = TreeAttention.build(request_index, query_start, query_len, tree_base[request_index],
                                     words, query_tree_row, device)
-    return TreeBatch(parent_row, depth, num_nodes, tree_base, via_merge, seed, attention)
+    return TreeBatch(parent_row, depth, num_nodes, tree_base, via_merge, noise_key, attention)
 
 
 class TreeSlot:

@@ -351,3 +351,80 @@ class NodeBudgetPolicy:
         a = self._smoothing
         self._best_nodes_mass = mass if self._best_nodes_mass is None else (1 - a) * self._best_nodes_mass + a * mass
 
+
+
+class WallClockReferee:
+    """Measured throughput of whole steps, speculative against plain, by load: a veto over the
+    cost model's optimism, so that speculation never loses for long.
+
+    Every step is measured as it ran, end to end (from one drafter call to the next: drafting,
+    scheduling, the target's forward, verification, bookkeeping, IPC), as tokens emitted per
+    second, in an exponential average per load bucket (batch sizes 1, 2-3, 4-7, ...). Where
+    speculative steps measure slower than plain ones by more than `margin`, speculation is
+    vetoed. It is tried again once the plain steps since the last try have taken long enough
+    that one more losing step costs at most `explore_share` of that time, so a machine on which
+    speculation cannot pay loses at most that share to finding it out. One speculative step
+    suffices to veto speculation that measures at most half as fast as plain decoding. Where
+    speculation wins, a plain step every `plain_every` steps keeps the plain figure fresh (both
+    slow down as contexts grow).
+    """
+
+    def __init__(self, margin: float = 0.02, min_steps: int = 3, explore_share: float = 0.02,
+                 plain_every: int = 64, smoothing: float = 0.25) -> None:
+        self.margin, self.min_steps, self.explore_share = margin, min_steps, explore_share
+        self.plain_every = plain_every
+        self._smoothing = smoothing
+        # Per (bucket, speculative): tokens/s and seconds per step, exponentially averaged.
+        self._rate: dict[tuple[int, bool], float] = {}
+        self._step_seconds: dict[tuple[int, bool], float] = {}
+        self._count: dict[tuple[int, bool], int] = {}
+        self._plain_since_try: dict[int, float] = {}  # plain seconds since the last speculative try
+        self._since_plain: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(num_requests: int) -> int:
+        return max(int(num_requests), 1).bit_length()
+
+    def observe(self, speculative: bool, num_requests: int, tokens: int, seconds: float) -> None:
+        """One finished step: whether it verified trees, the requests in it, the tokens it
+        emitted and its wall time."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        b = self.bucket(num_requests)
+        key, a = (b, speculative), self._smoothing
+        for table, value in ((self._rate, tokens / seconds), (self._step_seconds, seconds)):
+            table[key] = value if key not in table else (1 - a) * table[key] + a * value
+        self._count[key] = self._count.get(key, 0) + 1
+        if speculative:
+            self._plain_since_try[b] = 0.0
+        else:
+            self._plain_since_try[b] = self._plain_since_try.get(b, 0.0) + seconds
+
+    def rates(self, num_requests: int) -> tuple[float | None, float | None]:
+        """(plain, speculative) tokens/s measured at this load, None where not measured yet."""
+        b = self.bucket(num_requests)
+        return self._rate.get((b, False)), self._rate.get((b, True))
+
+    def allows(self, num_requests: int) -> tuple[bool, str]:
+        """Whether this step may speculate, and why (for the log)."""
+        b = self.bucket(num_requests)
+        plain, spec = self.rates(num_requests)
+        if plain is None or self._count[(b, False)] < self.min_steps:
+            return False, "measuring plain steps first"
+        clearly_slower = spec is not None and spec < 0.5 * plain
+        if spec is None or (self._count[(b, True)] < self.min_steps and not clearly_slower):
+            return True, "measuring speculative steps"
+        figures = f"measured {spec:.2f} tokens/s speculating against {plain:.2f} plain"
+        if spec >= plain * (1 - self.margin):
+            since = self._since_plain.get(b, 0) + 1
+            if since >= self.plain_every:  # refresh the plain figure now and then
+                self._since_plain[b] = 0
+                return False, f"{figures}: refreshing plain"
+            self._since_plain[b] = since
+            return True, figures
+        # A losing try costs its step time minus what plain steps emit in it.
+        spec_seconds = self._step_seconds[(b, True)]
+        excess = spec_seconds * (1.0 - spec / plain)
+        if self._plain_since_try.get(b, 0.0) * self.explore_share < excess:
+            return False, f"{figures}: vetoed"
+        return True, f"{figures}: trying again"

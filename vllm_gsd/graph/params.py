@@ -22,9 +22,10 @@ class GraphParams:
     """
 
     node_budget: int
-    top_k: int = 4
-    max_depth: int = 6
-    merge_ngram: int = 1
+    top_k: int
+    max_depth: int
+    merge_ngram: int
+    # 0 = no pruning. The users' defaults live in one place: engine/config.py's GsdConfig.
     min_child_ratio: float = 0.0
     leaf_prob: float = 0.0
 

@@ -24,7 +24,7 @@ import torch
 from numba import njit
 
 from .ancestors import ancestor_words_from_parents
-from .builder import HypothesisGraph
+from .hypothesis import HypothesisGraph
 from .ordering import keep_best, kth_largest, order_by_value_within_groups
 
 

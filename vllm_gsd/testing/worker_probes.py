@@ -86,3 +86,17 @@ class WorkerProbes:
 
         drafter._grow = skewed_grow
         return True
+
+    def gsd_test_slow_draft(self, seconds: float) -> None:
+        """From now on, every draft forward of this worker takes `seconds` longer: a draft too
+        slow for speculation to pay on any machine."""
+        import time
+
+        drafter = self.model_runner.drafter
+        forward = drafter._forward
+
+        def slow_forward(*args, **kwargs):
+            time.sleep(seconds)
+            return forward(*args, **kwargs)
+
+        drafter._forward = slow_forward

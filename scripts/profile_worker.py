@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Where a step's wall time goes in vLLM's real (multiprocess) engine, sampled with py-spy.
+
+For each configuration an engine is started as users run it (engine core and worker in their
+own processes), prompts are generated `--batch` at a time, and py-spy samples the worker's main
+thread (idle time included) for the whole generation. Each sample is filed under the innermost
+phase of its stack (see PHASES; the first match from the innermost frame outwards wins), so the
+shares add up to the worker's wall time; times per step are shares x wall time / engine steps.
+
+    .venv/bin/pip install py-spy      # not a dependency of vllm-gsd; only this script uses it
+    .venv/bin/python scripts/profile_worker.py --pair qwen --configs no_spec,draft_model_k4,gsd_graph_fixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+# (phase, function names that mark it). Checked from the innermost frame outwards.
+PHASES = (
+    ("draft: tree attention", ("attend_tree",), "propose_tree"),
+    ("target: tree attention", ("attend_tree",), None),
+    ("draft: LM head, top-k", ("_children",), None),
+    ("draft: graph core", ("expand", "build_tree", "frontier", "_next_level_pays", "select", "should_draft"), "propose_tree"),
+    ("draft: layers", ("_forward", "dummy_run"), "propose_tree"),
+    ("draft: other", ("propose_tree", "propose_draft_token_ids", "propose"), None),
+    ("target: LM head", ("compute_logits",), None),
+    ("target: layers", ("_model_forward",), None),
+    ("scoring, compaction", ("_sample",), None),
+    ("bookkeeping", ("_bookkeeping_sync",), None),
+    ("input preparation", ("_prepare_inputs", "_update_states", "_build_attention_metadata", "_preprocess"), None),
+    ("waiting for the engine core", ("sched_yield", "dequeue", "acquire_read", "wait", "recv", "poll"), None),
+)
+
+
+def phase_of(frames: list[str]) -> str:
+    """frames: function names, outermost first."""
+    names = set(frames)
+    for phase, markers, within in PHASES:
+        if within is not None and within not in names:
+            continue
+        for frame in reversed(frames):
+            if frame in markers:
+                return phase
+    return "other (worker)"
+
+
+def summarize(raw: Path) -> dict[str, int]:
+    """Samples per phase of the process's main thread."""
+    counts: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        if not frames[0].endswith(": MainThread"):  # py-spy: "thread (tid): name"
+            continue
+        frames = frames[1:]
+        # py-spy frames read "Class.function (file:line)".
+        counts[phase_of([f.split(" (")[0].strip().rsplit(".", 1)[-1] for f in frames])] += int(count)
+    return dict(counts)
+
+
+def worker_pid(parent: int) -> int:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    pids = [int(line.split()[0]) for line in out.splitlines() if "VLLM::Worker" in line]
+    if len(pids) != 1:
+        raise RuntimeError(f"expected one VLLM::Worker process, found {pids}")
+    return pids[0]
+
+
+def profile(pair, name: str, spec: dict | None, prompts: list[str], batch: int, max_tokens: int,
+            mode: str, py_spy: str) -> dict:
+    from vllm import LLM, SamplingParams
+
+    from vllm_gsd.testing.engines import mean_acceptance_length_of
+
+    llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0, max_num_seqs=batch,
+              speculative_config=spec, disable_log_stats=False, **({"enforce_eager": True} if mode == "eager" else {}),
+              **({"per_request_spec_decode_metrics": "summary"} if spec else {}))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:batch], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    steps_before = _engine_steps(llm)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "stacks.txt"
+        pid = worker_pid(os.getpid())
+        spy = subprocess.Popen([py_spy, "record", "--nonblocking", "--idle", "--threads", "--format", "raw", "--rate", "100",
+                                "--pid", str(pid), "--output", str(raw)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attached
+        started, outputs = time.perf_counter(), []
+        for i in range(0, len(prompts), batch):
+            outputs += llm.generate(prompts[i:i + batch], params, use_tqdm=False)
+        wall = time.perf_counter() - started
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+        shares = summarize(raw)
+        if os.environ.get("GSD_KEEP_PY_SPY"):
+            shutil.copy(raw, os.environ["GSD_KEEP_PY_SPY"])
+    steps = _engine_steps(llm) - steps_before
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    return {"config": name, "tokens_per_s": tokens / wall, "wall_s": wall, "steps": steps,
+            "mean_acceptance_length": mean_acceptance_length_of(outputs) if spec else None, "samples": shares}
+
+
+def _engine_steps(llm) -> int:
+    """Engine steps so far (vLLM's iteration counter: one per forward of the batch)."""
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:iteration_tokens_total":
+            return int(metric.count)
+    raise RuntimeError("vLLM's vllm:iteration_tokens_total histogram is missing")
+
+
+def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, max_tokens: int) -> str:
+    phases = [p for p, _, _ in PHASES] + ["other (worker)"]
+    lines = [
+        f"# Worker profile: {pair.name} pair, batch {batch}, "
+        f"{'enforce_eager' if mode == 'eager' else 'vLLM default (compiled) mode'}", "",
+        f"`scripts/profile_worker.py` ({time.strftime('%Y-%m-%d')}): vLLM's multiprocess engine, {num_prompts} "
+        f"prompts {batch} at a time x {max_tokens} new tokens, greedy, {pair.dtype}; py-spy sampled the "
+        "worker's main thread at 100 Hz (without pausing it), idle included. Milliseconds per engine step by phase (the phases "
+        "add up to the step's wall time).", "",
+        "| config | tok/s | tokens / step | mean acc. len | ms / step | " + " | ".join(phases) + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(phases),
+    ]
+    for r in results:
+        total = max(sum(r["samples"].values()), 1)
+        step_ms = 1e3 * r["wall_s"] / max(r["steps"], 1)
+        tokens_per_step = r["tokens_per_s"] * r["wall_s"] / max(r["steps"], 1)
+        mal = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
+        cells = [f"{step_ms * r['samples'].get(p, 0) / total:.1f}" for p in phases]
+        lines.append(f"| {r['config']} | {r['tokens_per_s']:.2f} | {tokens_per_step:.2f} | {mal} | {step_ms:.1f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    from bench import configurations, resolve_pair
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="qwen", choices=["tiny", "qwen"])
+    parser.add_argument("--configs", default="no_spec,draft_model_k4,gsd_graph_fixed,gsd_graph")
+    parser.add_argument("--mode", default="default", choices=["default", "eager"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
+    pair = resolve_pair(args.pair, args.num_prompts)
+    configs = configurations(pair, 4)
+    results = []
+    for name in args.configs.split(","):
+        print(f"[profile_worker] {name}", flush=True)
+        results.append(profile(pair, name, configs[name], pair.prompts, args.batch, args.max_tokens, args.mode, py_spy))
+    text = render(pair, args.mode, args.batch, results, len(pair.prompts), args.max_tokens)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
