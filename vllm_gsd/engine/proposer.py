@@ -119,7 +119,7 @@ class GsdProposer(DraftModelProposer):
         self.trees: dict[str, ProposedTree] = {}
         self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
         self.referee: WallClockReferee | None = None  # the adaptive budget's veto (measured curves only)
-        self._last_step: tuple[float, bool] | None = None  # (when the last step's drafting began, it drafted)
+        self._last_call: float | None = None  # when the last step's drafting began
         self._draft: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
         self._ledger: DraftKvLedger | None = None  # made once the block size is known
         # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
@@ -153,11 +153,13 @@ class GsdProposer(DraftModelProposer):
         rank's, so that every rank decides the same)."""
         if self.policy is None:
             return
+        # The step that just finished ran from the last call's drafting (which made this step's
+        # drafts, or none) to now: it was speculative if this step's scheduler output verified drafts.
         now = time.perf_counter()
-        last, self._last_step = self._last_step, (now, bool(scheduler_output.scheduled_spec_decode_tokens))
+        last, self._last_call = self._last_call, now
         if last is None:
             return
-        measured = torch.tensor([now - last[0]] + [t for _, _, t in self._step_times], dtype=torch.float64)
+        measured = torch.tensor([now - last] + [t for _, _, t in self._step_times], dtype=torch.float64)
         if self.vllm_config.parallel_config.tensor_parallel_size > 1:
             from vllm.distributed import get_tp_group
 
@@ -168,7 +170,8 @@ class GsdProposer(DraftModelProposer):
             self.policy.observe_time(kind, predicted, seconds)
         self._step_times.clear()
         if self.referee is not None and _all_decodes(scheduler_output):  # a prefill would skew the rate
-            speculative, tokens = last[1], sum(len(t) for t in valid_sampled_token_ids)
+            speculative = bool(scheduler_output.scheduled_spec_decode_tokens)
+            tokens = sum(len(t) for t in valid_sampled_token_ids)
             self.referee.observe(speculative, len(valid_sampled_token_ids), tokens, step_seconds)
             us = int(step_seconds * 1e6)
             if speculative:

