@@ -64,7 +64,7 @@ class Pair:
     prompts: list[str] = field(default_factory=list)
 
 
-def resolve_pair(name: str, num_prompts: int) -> Pair:
+def resolve_pair(name: str, num_prompts: int, prompt_offset: int = 0) -> Pair:
     from vllm_gsd.testing import prompts as prompt_sets
 
     if name == "tiny":
@@ -77,7 +77,8 @@ def resolve_pair(name: str, num_prompts: int) -> Pair:
 
         pair = prepare_pair("qwen")
         half = (num_prompts + 1) // 2
-        questions = prompt_sets.humaneval_prompts(half) + prompt_sets.mtbench_prompts(num_prompts - half)
+        questions = (prompt_sets.humaneval_prompts(half, offset=prompt_offset)
+                     + prompt_sets.mtbench_prompts(num_prompts - half, offset=prompt_offset))
         texts = prompt_sets.as_chat(pair.target, questions)
         return Pair("qwen", str(pair.target), str(pair.draft), "bfloat16", 2048, texts)
     raise SystemExit(f"unknown pair {name!r}: use tiny or qwen")
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the configurations this many times in turn; report medians of paired ratios")
     parser.add_argument("--mode", default="default", choices=["default", "eager"],
                         help="vLLM's default (compiled) mode, or enforce_eager")
+    parser.add_argument("--prompt-offset", type=int, default=0,
+                        help="skip this many prompts of each set (qwen): a check on prompts not tuned on")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)
@@ -275,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(out_dir, Pair(**saved["pair"]), rows, saved["meta"])
         return 0
     batches = [int(b) for b in args.batches.split(",")]
-    pair = resolve_pair(args.pair, args.num_prompts)
+    pair = resolve_pair(args.pair, args.num_prompts, args.prompt_offset)
 
     from transformers import AutoTokenizer
 
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm.__version__,
             "num_prompts": len(prompt_ids), "max_tokens": args.max_tokens,
-            "batch1_prompts": args.batch1_prompts,
+            "batch1_prompts": args.batch1_prompts, "prompt_offset": args.prompt_offset,
             "mode_text": "vLLM's default (compiled) mode" if args.mode == "default" else "enforce_eager",
             "date": time.strftime("%Y-%m-%d"), "argv": " ".join(sys.argv[1:] if argv is None else argv)}
     write_results(out_dir, pair, rows, meta)

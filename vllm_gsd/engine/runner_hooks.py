@@ -11,14 +11,16 @@ Per step of a gsd engine:
 * `_sample`: the rejection sampler is GsdRejectionSampler (engine/scorer.py), which scores the
   trees; then the accepted nodes' KV moves to consecutive positions (`_compact_target_kv`) and
   GSD's counters are updated. The sampler is GsdSampler, told each step (in `_prepare_inputs`)
-  which roots are drawn with keyed noise (engine/sampling.py), and a partial prefill's discarded row leaves its
-  request's generator alone.
+  which roots are drawn with keyed noise (engine/sampling.py); a partial prefill's discarded
+  row leaves its request's generator alone.
 * `_dummy_run` (vLLM's dummy, profile and warm-up runs): the draft model runs too, as vLLM runs
   its own draft_model drafter there; no tree, no request state.
 * `propose_draft_token_ids`: GsdProposer.propose_tree on the sampled tokens (after bookkeeping);
-* `initialize_kv_cache`: the live target caches are listed for compaction, the attention
-  builders get the runner's TreeSlot (target and draft layers), and the drafter's adaptive node
-  budget gets its cost curves.
+* `initialize_kv_cache`: the live target caches are listed for compaction (a target with
+  several KV-cache groups is refused), and the drafter's adaptive node budget gets its cost
+  curves; `initialize_metadata_builders`: the attention builders get the runner's TreeSlot
+  (target and draft layers).
+* `execute_model`: the target forward is timed (synchronised on CUDA) for the cost scales.
 
 All per-runner GSD state is one `GsdRunnerState`, the runner's `gsd` attribute.
 """

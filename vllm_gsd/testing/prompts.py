@@ -63,9 +63,10 @@ def humaneval_tasks() -> list[dict]:
     return _jsonl(gzip.decompress(_read_wheel_member(HUMANEVAL_WHEEL, HUMANEVAL_MEMBER)))
 
 
-def humaneval_prompts(n: int | None = None) -> list[str]:
-    """Return the code-completion prompts of the first `n` HumanEval tasks (all 164 if None)."""
-    return [task["prompt"] for task in humaneval_tasks()[:n]]
+def humaneval_prompts(n: int | None = None, offset: int = 0) -> list[str]:
+    """Return the code-completion prompts of `n` HumanEval tasks from task `offset` on (all if None)."""
+    tasks = humaneval_tasks()[offset:]
+    return [task["prompt"] for task in tasks[:n]]
 
 
 def mtbench_questions() -> list[dict]:
@@ -74,9 +75,10 @@ def mtbench_questions() -> list[dict]:
     return sorted(questions, key=lambda q: q["question_id"])
 
 
-def mtbench_prompts(n: int | None = None, turn: int = 0) -> list[str]:
-    """Return turn `turn` (0 = first) of the first `n` MT-Bench questions (all 80 if None)."""
-    return [q["turns"][turn] for q in mtbench_questions()[:n]]
+def mtbench_prompts(n: int | None = None, turn: int = 0, offset: int = 0) -> list[str]:
+    """Return turn `turn` (0 = first) of `n` MT-Bench questions from question `offset` on (all if None)."""
+    questions = mtbench_questions()[offset:]
+    return [q["turns"][turn] for q in questions[:n]]
 
 
 def as_chat(model_dir: Path | str, user_messages: list[str]) -> list[str]:
