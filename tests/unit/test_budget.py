@@ -260,3 +260,43 @@ def test_referee_tries_again_and_follows_a_change():
     referee = WallClockReferee()
     _referee_run(referee, 500, plain_rate=10.0, spec_rate=6.0)
     assert _referee_run(referee, 3000, plain_rate=10.0, spec_rate=20.0)[0] >= 2000
+
+
+def _observe(referee, speculative, steps, rate, predicted_speedup=None, tokens=3):
+    for _ in range(steps):
+        referee.observe(speculative, 1, tokens=tokens, seconds=tokens / rate, predicted_speedup=predicted_speedup)
+
+
+def test_referee_insists_where_drafted_steps_measure_faster_than_the_model_predicts():
+    """A model timed in a slow moment predicts 1.1x for the steps it drafts while they measure
+    1.5x: a step it would run plainly at a predicted 0.9x is corrected to 1.23x and drafts; one
+    at 0.6x (corrected 0.82x) stays plain."""
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    referee = WallClockReferee()
+    assert not referee.insists(1, 0.9)[0]  # nothing measured
+    _observe(referee, False, 5, rate=10.0, tokens=1)
+    _observe(referee, True, 5, rate=15.0, predicted_speedup=1.1)
+    assert referee.insists(1, 0.9)[0]
+    assert not referee.insists(1, 0.6)[0]
+    assert not referee.insists(8, 0.9)[0]  # another load: not measured there
+
+
+def test_referee_never_insists_where_drafted_steps_measure_slower():
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    referee = WallClockReferee()
+    _observe(referee, False, 5, rate=10.0, tokens=1)
+    _observe(referee, True, 5, rate=9.0, predicted_speedup=0.5)  # the model was far too pessimistic
+    assert not referee.insists(1, 0.9)[0]
+
+
+def test_referee_rates_are_tokens_over_seconds_not_a_mean_of_step_rates():
+    """Trees accept 1 token in 0.1 s and 5 in 0.9 s in turn: 6 tokens in 1 s, 6 tokens/s. A mean
+    of the steps' own rates (10 and 5.6) would say 7.8."""
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    referee = WallClockReferee(smoothing=0.05)
+    for tokens, seconds in ((1, 0.1), (5, 0.9)) * 100:
+        referee.observe(True, 1, tokens=tokens, seconds=seconds)
+    assert abs(referee.rates(1)[1] - 6.0) < 0.4

@@ -120,6 +120,10 @@ class GsdProposer(DraftModelProposer):
         self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
         self.referee: WallClockReferee | None = None  # the adaptive budget's veto (measured curves only)
         self._last_call: float | None = None  # when the last step's drafting began
+        # The step drafted last call: whether for only some of its tree requests (exploring), and
+        # the cost model's predicted speed-up of it, which the referee weighs against its time.
+        self._drafted_partially = False
+        self._drafted_prediction: float | None = None
         self._draft: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
         self._ledger: DraftKvLedger | None = None  # made once the block size is known
         # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
@@ -169,10 +173,15 @@ class GsdProposer(DraftModelProposer):
         for (kind, predicted, _), seconds in zip(self._step_times, forward_seconds):
             self.policy.observe_time(kind, predicted, seconds)
         self._step_times.clear()
-        if self.referee is not None and _all_decodes(scheduler_output):  # a prefill would skew the rate
-            speculative = bool(scheduler_output.scheduled_spec_decode_tokens)
+        prediction, partially = self._drafted_prediction, self._drafted_partially
+        self._drafted_prediction, self._drafted_partially = None, False
+        speculative = bool(scheduler_output.scheduled_spec_decode_tokens)
+        # A prefill would skew the rate, and a step that drafted for some of its requests only
+        # (exploring) measures neither plain nor speculative decoding.
+        if self.referee is not None and _all_decodes(scheduler_output) and not partially:
             tokens = sum(len(t) for t in valid_sampled_token_ids)
-            self.referee.observe(speculative, len(valid_sampled_token_ids), tokens, step_seconds)
+            self.referee.observe(speculative, len(valid_sampled_token_ids), tokens, step_seconds,
+                                 predicted_speedup=prediction)
             us = int(step_seconds * 1e6)
             if speculative:
                 stats.speculative_step_us, stats.speculative_step_tokens = us, tokens
@@ -207,6 +216,11 @@ class GsdProposer(DraftModelProposer):
             return drafts
         if self.policy is not None:
             decision = self.policy.should_draft(len(candidates), num_plain)
+            if not decision and self.referee is not None and decision.predicted_speedup is not None:
+                insists, why = self.referee.insists(len(req_ids), decision.predicted_speedup)
+                if insists:
+                    decision = Decision(True, f"{decision.why}; {why}",
+                                        predicted_speedup=decision.predicted_speedup)
             if decision and self.referee is not None:
                 allowed, why = self.referee.allows(len(req_ids))
                 if not allowed:
@@ -218,7 +232,9 @@ class GsdProposer(DraftModelProposer):
                 stats.steps_not_speculated += 1
                 self._record(stats)
                 return drafts
+            self._drafted_prediction = decision.predicted_speedup
             if decision.num_requests is not None and decision.num_requests < len(candidates):
+                self._drafted_partially = True
                 # The least behind: their catch-up is the shortest (then back in batch order).
                 least_behind = sorted(candidates, key=lambda c: c.root_pos - c.catch_up_from)
                 num_plain += len(candidates) - decision.num_requests

@@ -151,6 +151,8 @@ class Decision:
     # the estimates as well as many. None: all of them.
     explore: bool = False
     num_requests: int | None = None
+    # The model's tokens/s of its best drafted step over its plain rate (None: not estimated).
+    predicted_speedup: float | None = None
 
     def __bool__(self) -> bool:
         return self.draft
@@ -238,17 +240,18 @@ class NodeBudgetPolicy:
         spec_rate = (base + r * self.gain_curve()) / (draft_seconds + self.tree_seconds(base + r * n))
         best = int(np.argmax(spec_rate[1:])) + 1
         rates = f"{spec_rate[best]:.2f} tokens/s at {best} nodes per tree against {plain_rate:.2f} plain"
+        speedup = float(spec_rate[best] / plain_rate)
         if spec_rate[best] > plain_rate:
             self._plain_streak = 0
-            return Decision(True, rates)
+            return Decision(True, rates, predicted_speedup=speedup)
         # Decisions rest on estimates that only drafted steps refresh: every so often, draft anyway.
         self._plain_streak += 1
         if self._plain_streak >= self.explore_every:
             self._plain_streak = 0
             explorers = min(r, self.explore_requests)
             return Decision(True, f"{rates}; drafting {explorers} trees to refresh the estimates",
-                            explore=True, num_requests=explorers)
-        return Decision(False, rates)
+                            explore=True, num_requests=explorers, predicted_speedup=speedup)
+        return Decision(False, rates, predicted_speedup=speedup)
 
     def expected_draft_seconds(self, num_tree_requests: int) -> float:
         """Draft forwards of a typical drafted step for this many tree requests, in seconds by
@@ -354,19 +357,28 @@ class NodeBudgetPolicy:
 
 
 class WallClockReferee:
-    """Measured throughput of whole steps, speculative against plain, by load: a veto over the
-    cost model's optimism, so that speculation never loses for long.
+    """Measured throughput of whole steps, speculative against plain, by load: the judge of the
+    cost model's decisions, so that speculation never loses for long and is not left unused
+    where it measures faster.
 
     Every step is measured as it ran, end to end (from one drafter call to the next: drafting,
-    scheduling, the target's forward, verification, bookkeeping, IPC), as tokens emitted per
-    second, in an exponential average per load bucket (batch sizes 1, 2-3, 4-7, ...). Where
-    speculative steps measure slower than plain ones by more than `margin`, speculation is
-    vetoed. It is tried again once the plain steps since the last try have taken long enough
-    that one more losing step costs at most `explore_share` of that time, so a machine on which
-    speculation cannot pay loses at most that share to finding it out. One speculative step
-    suffices to veto speculation that measures at most half as fast as plain decoding. Where
-    speculation wins, a plain step every `plain_every` steps keeps the plain figure fresh (both
-    slow down as contexts grow).
+    scheduling, the target's forward, verification, bookkeeping, IPC), its tokens and seconds
+    exponentially averaged per load bucket (batch sizes 1, 2-3, 4-7, ...), the rate their ratio
+    (a per-step rate would swing with the tokens a tree happens to accept). Where speculative
+    steps measure slower than plain ones by more than `margin`, speculation is vetoed. It is
+    tried again once the plain steps since the last try have taken long enough that one more
+    losing step costs at most `explore_share` of that time, so a machine on which speculation
+    cannot pay loses at most that share to finding it out. One speculative step suffices to veto
+    speculation that measures at most half as fast as plain decoding. Where speculation wins, a
+    plain step every `plain_every` steps keeps the plain figure fresh (both slow down as
+    contexts grow).
+
+    The other way round (`insists`): the cost model's predicted speed-up of the steps that
+    drafted is averaged too; where speculation measures faster than plain, the model's
+    prediction for a step it would run plainly is corrected by measured / predicted speed-up of
+    the drafted steps, and the step drafts if the corrected figure says it pays. A model whose
+    start-up cost curves were timed in a slow moment thus cannot keep a machine on plain steps
+    while every drafted step measures faster.
     """
 
     def __init__(self, margin: float = 0.02, min_steps: int = 3, explore_share: float = 0.02,
@@ -374,10 +386,11 @@ class WallClockReferee:
         self.margin, self.min_steps, self.explore_share = margin, min_steps, explore_share
         self.plain_every = plain_every
         self._smoothing = smoothing
-        # Per (bucket, speculative): tokens/s and seconds per step, exponentially averaged.
-        self._rate: dict[tuple[int, bool], float] = {}
+        # Per (bucket, speculative): tokens and seconds per step, exponentially averaged.
+        self._tokens: dict[tuple[int, bool], float] = {}
         self._step_seconds: dict[tuple[int, bool], float] = {}
         self._count: dict[tuple[int, bool], int] = {}
+        self._predicted: dict[int, float] = {}  # the model's predicted speed-up of drafted steps
         self._plain_since_try: dict[int, float] = {}  # plain seconds since the last speculative try
         self._since_plain: dict[int, int] = {}
 
@@ -385,16 +398,21 @@ class WallClockReferee:
     def bucket(num_requests: int) -> int:
         return max(int(num_requests), 1).bit_length()
 
-    def observe(self, speculative: bool, num_requests: int, tokens: int, seconds: float) -> None:
+    def observe(self, speculative: bool, num_requests: int, tokens: int, seconds: float,
+                predicted_speedup: float | None = None) -> None:
         """One finished step: whether it verified trees, the requests in it, the tokens it
-        emitted and its wall time."""
+        emitted, its wall time and, for a drafted step, the speed-up the cost model predicted
+        for it (Decision.predicted_speedup)."""
         if seconds <= 0 or tokens <= 0:
             return
         b = self.bucket(num_requests)
         key, a = (b, speculative), self._smoothing
-        for table, value in ((self._rate, tokens / seconds), (self._step_seconds, seconds)):
+        for table, value in ((self._tokens, tokens), (self._step_seconds, seconds)):
             table[key] = value if key not in table else (1 - a) * table[key] + a * value
         self._count[key] = self._count.get(key, 0) + 1
+        if speculative and predicted_speedup is not None and predicted_speedup > 0:
+            before = self._predicted.get(b)
+            self._predicted[b] = predicted_speedup if before is None else (1 - a) * before + a * predicted_speedup
         if speculative:
             self._plain_since_try[b] = 0.0
         else:
@@ -403,7 +421,8 @@ class WallClockReferee:
     def rates(self, num_requests: int) -> tuple[float | None, float | None]:
         """(plain, speculative) tokens/s measured at this load, None where not measured yet."""
         b = self.bucket(num_requests)
-        return self._rate.get((b, False)), self._rate.get((b, True))
+        return tuple(self._tokens[key] / self._step_seconds[key] if key in self._tokens else None
+                     for key in ((b, False), (b, True)))
 
     def allows(self, num_requests: int) -> tuple[bool, str]:
         """Whether this step may speculate, and why (for the log)."""
@@ -428,3 +447,19 @@ class WallClockReferee:
         if self._plain_since_try.get(b, 0.0) * self.explore_share < excess:
             return False, f"{figures}: vetoed"
         return True, f"{figures}: trying again"
+
+    def insists(self, num_requests: int, predicted_speedup: float) -> tuple[bool, str]:
+        """Whether a step the cost model would run plainly (predicting `predicted_speedup` < 1
+        for its best tree) should draft after all, the model corrected by what drafted steps
+        measured (see the class docstring); and why. Then `allows` still has its say."""
+        b = self.bucket(num_requests)
+        plain, spec = self.rates(num_requests)
+        predicted = self._predicted.get(b)
+        if (plain is None or spec is None or predicted is None
+                or min(self._count[(b, False)], self._count[(b, True)]) < self.min_steps):
+            return False, "not measured"
+        measured = spec / plain
+        corrected = predicted_speedup * measured / predicted
+        figures = (f"drafted steps measured {measured:.2f}x plain where the model predicted "
+                   f"{predicted:.2f}x; this one corrected to {corrected:.2f}x")
+        return measured > 1 + self.margin and corrected > 1 + self.margin, figures
