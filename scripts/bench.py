@@ -50,6 +50,7 @@ class Row:
     merges: int | None = None
     draft_expansions_saved: int | None = None
     identical_to_no_spec: bool | None = None
+    identical_prompts: str | None = None  # "k/n": prompts whose output equals no speculation's, worst round
     ratio_to_no_spec: float | None = None
     notes: str = ""
 
@@ -179,6 +180,8 @@ def _median_over_rounds(measured, reference, config: str, batch: int, rounds: in
     row.ratio_to_no_spec = round(statistics.median(ratios), 2)
     if config != "no_spec":
         row.identical_to_no_spec = all(out == reference[batch] for _, _, out in mine)
+        same = min(sum(a == b for a, b in zip(out, reference[batch])) for _, _, out in mine)
+        row.identical_prompts = f"{same}/{len(reference[batch])}"
     if rounds > 1:
         row.notes = (f"rounds: {', '.join(str(m[1].tokens_per_s) for m in mine)} tok/s; "
                      f"x no-spec {', '.join(map(str, ratios))}")
@@ -213,7 +216,8 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
     ]
     fmt = lambda v: "" if v is None else str(v)  # noqa: E731
     for r in rows:
-        same = "" if r.identical_to_no_spec is None else ("yes" if r.identical_to_no_spec else "**NO**")
+        same = "" if r.identical_to_no_spec is None else (
+            "yes" if r.identical_to_no_spec else f"**NO** ({r.identical_prompts or '?'} same)")
         split = "" if not r.step_ms else " / ".join(str(v) for v in r.step_ms.values())
         lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
                      f"{fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "

@@ -149,9 +149,9 @@ def speculation_notes(results: list[dict], gsd: dict | None) -> list[str]:
         plain_share = gsd.get("steps_not_speculated", 0) / decided if decided else 0.0
         if plain_share >= 0.5:
             vetoed = gsd.get("steps_vetoed", 0)
-            notes.append(f"GSD's budget measured speculation as slower on this machine and decoded "
-                         f"{plain_share:.0%} of the steps without drafting"
-                         + (f" ({vetoed} of them vetoed on measured step times)" if vetoed else "")
+            notes.append(f"GSD's adaptive budget decoded {plain_share:.0%} of the steps without drafting"
+                         + (f" ({vetoed} of them vetoed on measured step times, the rest expected by "
+                            "its cost model not to pay)" if vetoed else " (its cost model expected no gain)")
                          + ", so it performs close to no speculation.")
     base = results[0]["tokens_per_s"]
     for r in results[1:]:
