@@ -78,8 +78,10 @@ def resolve_pair(name: str, num_prompts: int, prompt_offset: int = 0) -> Pair:
 
         pair = prepare_pair("qwen")
         half = (num_prompts + 1) // 2
-        questions = (prompt_sets.humaneval_prompts(half, offset=prompt_offset)
-                     + prompt_sets.mtbench_prompts(num_prompts - half, offset=prompt_offset))
+        # Keyword only when used: bench_sampling.py measures older checkouts through this too.
+        offset = {"offset": prompt_offset} if prompt_offset else {}
+        questions = (prompt_sets.humaneval_prompts(half, **offset)
+                     + prompt_sets.mtbench_prompts(num_prompts - half, **offset))
         texts = prompt_sets.as_chat(pair.target, questions)
         return Pair("qwen", str(pair.target), str(pair.draft), "bfloat16", 2048, texts)
     raise SystemExit(f"unknown pair {name!r}: use tiny or qwen")
