@@ -254,6 +254,18 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         plt.close(fig)
 
 
+def profiling_parser(description: str, mode: str, num_prompts: int) -> argparse.ArgumentParser:
+    """The arguments scripts/profile_step.py and scripts/profile_worker.py share."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", default="qwen", choices=["tiny", "qwen"])
+    parser.add_argument("--configs", default="no_spec,draft_model_k4,gsd_graph_fixed,gsd_graph")
+    parser.add_argument("--mode", default=mode, choices=["default", "eager"])
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", default=None)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="qwen", choices=["tiny", "qwen"])

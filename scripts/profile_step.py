@@ -23,7 +23,6 @@ of a step with timers, and reports per configuration the mean milliseconds per e
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import gc
@@ -168,16 +167,10 @@ def render(pair, mode: str, results: list[dict], max_tokens: int, num_prompts: i
 
 
 def main() -> int:
-    from bench import configurations, resolve_pair
+    from bench import configurations, profiling_parser, resolve_pair
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="qwen", choices=["tiny", "qwen"])
-    parser.add_argument("--configs", default="no_spec,draft_model_k4,gsd_graph_fixed,gsd_graph")
-    parser.add_argument("--mode", default="eager", choices=["eager", "default"])
-    parser.add_argument("--num-prompts", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=48)
+    parser = profiling_parser(__doc__, mode="eager", num_prompts=2)
     parser.add_argument("--torch-profile", action="store_true")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     pair = resolve_pair(args.pair, args.num_prompts)
     configs = configurations(pair, 4)

@@ -13,7 +13,6 @@ shares add up to the worker's wall time; times per step are shares x wall time /
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gc
 import os
@@ -155,16 +154,10 @@ def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, m
 
 
 def main() -> int:
-    from bench import configurations, resolve_pair
+    from bench import configurations, profiling_parser, resolve_pair
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", default="qwen", choices=["tiny", "qwen"])
-    parser.add_argument("--configs", default="no_spec,draft_model_k4,gsd_graph_fixed,gsd_graph")
-    parser.add_argument("--mode", default="default", choices=["default", "eager"])
+    parser = profiling_parser(__doc__, mode="default", num_prompts=4)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
