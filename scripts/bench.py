@@ -26,7 +26,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 # One worker using both cores (the default binding leaves one idle on a 2-core machine).
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -112,63 +111,129 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
 DEFAULT_CONFIGS = "no_spec,draft_model_k2,draft_model_k4,draft_model_k6,gsd,gsd_graph_fixed"
 
 
-def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max_tokens: int,
-               prompt_token_ids: list[list[int]], batch1_prompts: int, mode: str = "default"
-               ) -> tuple[list[Row], dict[int, list[list[int]]]]:
+def start_engine(pair: Pair, spec: dict | None, max_batch: int, mode: str = "default"):
+    """An engine for one configuration, warmed up on a short request."""
     from vllm import LLM, SamplingParams
 
-    from vllm_gsd.engine.metrics import gsd_stats
-    from vllm_gsd.testing.engines import acceptance_of
-
     llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
-              max_num_seqs=max(batches), speculative_config=spec,
+              max_num_seqs=max_batch, speculative_config=spec,
               **({"enforce_eager": True} if mode == "eager" else {}),
               **({"per_request_spec_decode_metrics": "summary"} if spec else {}))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    rows, outputs = [], {}
-    for batch in batches:
-        stats_before = gsd_stats(llm) if spec and spec["method"] == "gsd" else None
-        # Batch 1 is the slowest to measure: it runs on the first prompts only.
-        run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
-        outs, start = [], time.perf_counter()
-        for i in range(0, len(run_prompts), batch):
-            outs += llm.generate(run_prompts[i:i + batch], params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        outputs[batch] = tokens
-        total = sum(len(t) for t in tokens)
-        row = Row(name, batch, total, round(seconds, 2), round(total / seconds, 2))
-        if spec:
-            drafts, accepted_drafts = acceptance_of(outs)
-            row.mean_acceptance_length = round(1.0 + accepted_drafts / max(drafts, 1), 2)
-            draft_tokens = sum(c.spec_decode_metrics.num_draft_tokens for o in outs for c in o.outputs
-                               if c.spec_decode_metrics is not None)
-            accepted = total
-            if stats_before is not None:
-                stats = gsd_stats(llm)
-                row.draft_tokens_per_accepted = round(
-                    (stats.draft_tokens_computed - stats_before.draft_tokens_computed) / max(accepted, 1), 2)
-                trees = stats.trees_verified - stats_before.trees_verified
-                row.nodes_per_step = round((stats.nodes_verified - stats_before.nodes_verified) / max(trees, 1), 1)
-                delta = {k: getattr(stats, k) - getattr(stats_before, k) for k in vars(stats)}
-                decided = delta["steps_speculated"] + delta["steps_not_speculated"]
-                row.plain_step_share = round(delta["steps_not_speculated"] / max(decided, 1), 2)
-                row.step_ms = {phase: round(delta[f"{phase}_us"] / 1e3 / max(delta["steps"], 1), 1)
-                               for phase in ("target_forward", "draft_step", "draft_model", "draft_logits",
-                                             "verify", "kv_compaction")}
-                row.merges = stats.merges - stats_before.merges
-                row.draft_expansions_saved = stats.draft_expansions_saved - stats_before.draft_expansions_saved
-            else:
-                row.nodes_per_step = round(draft_tokens / max(drafts, 1), 1)
-        rows.append(row)
-        print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
-              + (f", mean acceptance length {row.mean_acceptance_length}" if spec else ""), flush=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    return llm
+
+
+def stop_engine(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
+
+
+def generate_timed(llm, prompts: list, max_tokens: int) -> tuple[list, float]:
+    """(RequestOutputs, seconds) of one generate call (greedy, exactly max_tokens each)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return outs, time.perf_counter() - start
+
+
+def describe_run(name: str, spec: dict | None, batch: int, outs: list, seconds: float,
+                 stats_before, stats_after) -> Row:
+    """A Row from the outputs and time of a configuration at one batch size; stats_before/after:
+    the engine's GSD figures around the run (None unless gsd)."""
+    from vllm_gsd.testing.engines import acceptance_of
+
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    total = sum(len(t) for t in tokens)
+    row = Row(name, batch, total, round(seconds, 2), round(total / seconds, 2))
+    if not spec:
+        return row
+    drafts, accepted_drafts = acceptance_of(outs)
+    row.mean_acceptance_length = round(1.0 + accepted_drafts / max(drafts, 1), 2)
+    if stats_before is None:
+        draft_tokens = sum(c.spec_decode_metrics.num_draft_tokens for o in outs for c in o.outputs
+                           if c.spec_decode_metrics is not None)
+        row.nodes_per_step = round(draft_tokens / max(drafts, 1), 1)
+        return row
+    delta = {k: getattr(stats_after, k) - getattr(stats_before, k) for k in vars(stats_after)}
+    row.draft_tokens_per_accepted = round(delta["draft_tokens_computed"] / max(total, 1), 2)
+    row.nodes_per_step = round(delta["nodes_verified"] / max(delta["trees_verified"], 1), 1)
+    decided = delta["steps_speculated"] + delta["steps_not_speculated"]
+    row.plain_step_share = round(delta["steps_not_speculated"] / max(decided, 1), 2)
+    row.step_ms = {phase: round(delta[f"{phase}_us"] / 1e3 / max(delta["steps"], 1), 1)
+                   for phase in ("target_forward", "draft_step", "draft_model", "draft_logits",
+                                 "verify", "kv_compaction")}
+    row.merges = delta["merges"]
+    row.draft_expansions_saved = delta["draft_expansions_saved"]
+    return row
+
+
+def _gsd_stats_of(llm, spec):
+    from vllm_gsd.engine.metrics import gsd_stats
+
+    return gsd_stats(llm) if spec and spec["method"] == "gsd" else None
+
+
+def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max_tokens: int,
+               prompt_token_ids: list[list[int]], batch1_prompts: int, mode: str = "default"
+               ) -> tuple[list[Row], dict[int, list[list[int]]]]:
+    """One configuration on its own engine, every batch size in turn."""
+    llm = start_engine(pair, spec, max(batches), mode)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    rows, outputs = [], {}
+    for batch in batches:
+        stats_before = _gsd_stats_of(llm, spec)
+        # Batch 1 is the slowest to measure: it runs on the first prompts only.
+        run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
+        outs, seconds = [], 0.0
+        for i in range(0, len(run_prompts), batch):
+            chunk_outs, chunk_seconds = generate_timed(llm, run_prompts[i:i + batch], max_tokens)
+            outs, seconds = outs + chunk_outs, seconds + chunk_seconds
+        outputs[batch] = [list(o.outputs[0].token_ids) for o in outs]
+        row = describe_run(name, spec, batch, outs, seconds, stats_before, _gsd_stats_of(llm, spec))
+        rows.append(row)
+        print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
+              + (f", mean acceptance length {row.mean_acceptance_length}" if spec else ""), flush=True)
+    stop_engine(llm)
     return rows, outputs
+
+
+def run_interleaved(pair: Pair, configs: dict[str, dict | None], batches: list[int], max_tokens: int,
+                    prompt_token_ids: list[list[int]], batch1_prompts: int, mode: str, round_index: int
+                    ) -> list[tuple[Row, list[list[int]]]]:
+    """Every configuration on its own engine, all alive at once; each group of `batch` prompts is
+    generated by every engine in turn, the order rotating from group to group, so that the
+    machine's drift (this VM's speed swings by up to 2x within minutes) falls on every
+    configuration alike. Returns (row, outputs) per configuration and batch size."""
+    engines = {name: start_engine(pair, spec, max(batches), mode) for name, spec in configs.items()}
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
+    names = list(configs)
+    results = []
+    try:
+        for batch in batches:
+            run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
+            before = {name: _gsd_stats_of(engines[name], configs[name]) for name in names}
+            outs = {name: [] for name in names}
+            seconds = dict.fromkeys(names, 0.0)
+            for k, i in enumerate(range(0, len(run_prompts), batch)):
+                shift = (k + round_index) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    chunk_outs, chunk_seconds = generate_timed(engines[name], run_prompts[i:i + batch], max_tokens)
+                    outs[name] += chunk_outs
+                    seconds[name] += chunk_seconds
+            for name in names:
+                row = describe_run(name, configs[name], batch, outs[name], seconds[name], before[name],
+                                   _gsd_stats_of(engines[name], configs[name]))
+                results.append((row, [list(o.outputs[0].token_ids) for o in outs[name]]))
+                print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
+                      + (f", mean acceptance length {row.mean_acceptance_length}" if configs[name] else ""),
+                      flush=True)
+    finally:
+        for llm in engines.values():
+            stop_engine(llm)
+    return results
 
 
 def _median_over_rounds(measured, reference, config: str, batch: int, rounds: int) -> Row:
@@ -184,8 +249,8 @@ def _median_over_rounds(measured, reference, config: str, batch: int, rounds: in
         row.identical_to_no_spec = all(out == reference[batch] for _, _, out in mine)
         same = min(sum(a == b for a, b in zip(out, reference[batch])) for _, _, out in mine)
         row.identical_prompts = f"{same}/{len(reference[batch])}"
-    if rounds > 1:
-        row.notes = (f"rounds: {', '.join(str(m[1].tokens_per_s) for m in mine)} tok/s; "
+    if len(mine) > 1:
+        row.notes = (f"runs: {', '.join(str(m[1].tokens_per_s) for m in mine)} tok/s; "
                      f"x no-spec {', '.join(map(str, ratios))}")
     return row
 
@@ -200,7 +265,11 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         f"{meta['machine']}; vLLM {meta['vllm']}; {meta['num_prompts']} prompts (batch 1: the first "
         f"{meta['batch1_prompts']}) x {meta['max_tokens']} new tokens, greedy, {meta.get('mode_text', 'enforce_eager')}; "
         f"generated {meta['date']} by `scripts/bench.py {meta['argv']}`. Ratios are to no "
-        "speculation at the same batch size.",
+        "speculation at the same batch size" + (
+            ", measured beside it: both engines alive, each prompt group generated by one then the "
+            "other, the order alternating (this VM's speed drifts by up to 2x within minutes); a "
+            "ratio is the median over runs, the figures shown are the median run's"
+            if meta.get("interleave") else "") + ".",
         "",
         "Draft tokens / accepted token: tokens the draft model computed per output token (GSD: "
         "catch-up plus every expanded graph row; counted by GSD only). "
@@ -227,7 +296,7 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
                      f"{fmt(r.draft_expansions_saved)} | {same} |")
     noted = [r for r in rows if r.notes]
     if noted:
-        lines += ["", "Per round (median shown above):", ""]
+        lines += ["", "Per run (median shown above):", ""]
         lines += [f"* {r.config}, batch {r.batch}: {r.notes}" for r in noted]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
@@ -282,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's default (compiled) mode, or enforce_eager")
     parser.add_argument("--prompt-offset", type=int, default=0,
                         help="skip this many prompts of each set (qwen): a check on prompts not tuned on")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run each configuration's engine beside one of no speculation and generate "
+                             "each prompt group with both in turn (this VM's speed drifts within minutes)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)
@@ -295,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [Row(**r) for r in saved["rows"]]
         write_results(out_dir, Pair(**saved["pair"]), rows, saved["meta"])
         return 0
+    # GiB of KV cache per engine: interleaved engines share the machine's memory.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.interleave else "4")
     batches = [int(b) for b in args.batches.split(",")]
     pair = resolve_pair(args.pair, args.num_prompts, args.prompt_offset)
 
@@ -314,13 +388,24 @@ def main(argv: list[str] | None = None) -> int:
     # minutes, and pairing by round cancels most of it.
     measured, reference = [], None  # (round, row, outputs)
     for round_index in range(args.rounds):
+        if args.interleave:
+            # Two engines at a time fit in memory (a Qwen pair engine holds 6-8 GiB): each
+            # configuration runs beside no speculation, and its ratio is to that run's.
+            others = [name for name in configs if name != "no_spec"]
+            for k, name in enumerate(others):
+                run = round_index * len(others) + k  # pairs ratios with the no_spec of the same run
+                print(f"[bench] no_spec and {name}, interleaved (round {round_index + 1})", flush=True)
+                for row, outputs in run_interleaved(pair, {"no_spec": None, name: configs[name]}, batches,
+                                                    args.max_tokens, prompt_ids, args.batch1_prompts,
+                                                    args.mode, run):
+                    measured.append((run, row, outputs))
+            continue
         for name, spec in configs.items():
             print(f"[bench] {name}" + (f" (round {round_index + 1})" if args.rounds > 1 else ""), flush=True)
             config_rows, outputs = run_config(pair, name, spec, batches, args.max_tokens, prompt_ids,
                                               args.batch1_prompts, args.mode)
-            if name == "no_spec" and reference is None:
-                reference = outputs
             measured += [(round_index, row, outputs[row.batch]) for row in config_rows]
+    reference = {row.batch: out for _, row, out in measured if row.config == "no_spec"}
     rows = [_median_over_rounds(measured, reference, config, batch, args.rounds)
             for config in configs for batch in batches]
 
@@ -329,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm.__version__,
             "num_prompts": len(prompt_ids), "max_tokens": args.max_tokens,
             "batch1_prompts": args.batch1_prompts, "prompt_offset": args.prompt_offset,
+            "interleave": args.interleave,
             "mode_text": "vLLM's default (compiled) mode" if args.mode == "default" else "enforce_eager",
             "date": time.strftime("%Y-%m-%d"), "argv": " ".join(sys.argv[1:] if argv is None else argv)}
     write_results(out_dir, pair, rows, meta)

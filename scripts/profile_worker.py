@@ -37,7 +37,7 @@ PHASES = (
     ("draft: tree attention", ("attend_tree",), "propose_tree"),
     ("target: tree attention", ("attend_tree",), None),
     ("draft: LM head, top-k", ("_children",), None),
-    ("draft: graph core", ("expand", "build_tree", "frontier", "_next_level_pays", "select", "should_draft"), "propose_tree"),
+    ("draft: graph core", ("expand", "build_tree", "frontier", "select", "should_draft"), "propose_tree"),
     ("draft: layers", ("_forward", "dummy_run"), "propose_tree"),
     ("draft: other", ("propose_tree", "propose_draft_token_ids", "propose"), None),
     ("target: LM head", ("compute_logits",), None),

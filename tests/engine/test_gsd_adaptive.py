@@ -73,9 +73,9 @@ def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
     got, delta = _run(costly_gsd, prompts, _greedy(48))
     assert got == _token_ids(engines.get("target"), prompts, _greedy(48))
     assert delta["steps_speculated"] > 0 and delta["steps_not_speculated"] == 0
-    # Verification beyond 8 tokens costs more: the policy keeps trees at <= 7 nodes, cutting
-    # some of what it drafted.
-    assert 0 < delta["nodes_proposed"] <= 7 * delta["steps_speculated"]
+    # Verification beyond 8 tokens costs more (each further node an eighth of a step): the policy
+    # keeps trees near the 7 free nodes, far below the budget of 24, cutting some of what it drafted.
+    assert 0 < delta["nodes_proposed"] <= 8 * delta["steps_speculated"]
     assert delta["nodes_proposed"] < delta["nodes_offered"]
     assert delta["accepted_nodes"] > 0
 

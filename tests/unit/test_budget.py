@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 import torch
@@ -116,20 +118,55 @@ def test_an_exploring_step_verifies_each_trees_best_nodes_down_to_max_depth():
     assert policy.select(path_prob, depth, num_nodes, 0, 0.0, explore=True).node_budget.tolist() == [3, 1]
 
 
+def _teach(policy, path_prob, depth, level_rows, drafted_depth=None, draft_seconds=0.2):
+    """One drafted step as the proposer reports it: its forwards' rows, then its trees."""
+    for level, rows in enumerate(level_rows):
+        policy.observe_forward(level, rows, 1)
+    num_nodes = np.full(path_prob.shape[0], path_prob.shape[1])
+    policy.select(path_prob, depth, num_nodes, num_other_tokens=0, draft_seconds=draft_seconds,
+                  drafted_depth=drafted_depth)
+
+
 def test_at_high_load_the_policy_stops_drafting_and_at_low_load_it_drafts():
     policy = _policy(CPU_LIKE, draft_cost=CostCurve((1, 8, 64, 512), (0.04, 0.045, 0.16, 1.1)),
                      node_budget=8, max_depth=4)
     # Teach it a typical tree: a confident chain of 4 plus siblings.
-    path_prob = np.tile([0.9, 0.8, 0.7, 0.6, 0.2, 0.15, 0.1, 0.05], (2, 1))
-    depth = np.tile([1, 2, 3, 4, 1, 2, 2, 3], (2, 1))
-    for level, rows in enumerate([2, 2, 2, 2]):
-        policy.observe_forward(level, rows, 1)
-    policy.finish_draft()
-    policy.select(path_prob, depth, np.array([8, 8]), num_other_tokens=0, draft_seconds=0.2)
+    _teach(policy, np.tile([0.9, 0.8, 0.7, 0.6, 0.2, 0.15, 0.1, 0.05], (2, 1)),
+           np.tile([1, 2, 3, 4, 1, 2, 2, 3], (2, 1)), level_rows=[2, 2, 2, 2])
     pays = policy.should_draft(num_tree_requests=1, num_other_tokens=0)
     assert pays and pays.num_requests is None  # a step that pays drafts every tree request
+    assert 1 <= pays.depth <= 4
     assert not policy.should_draft(num_tree_requests=256, num_other_tokens=0)
     assert not policy.should_draft(num_tree_requests=0, num_other_tokens=3)
+
+
+def test_the_policy_drafts_as_deep_as_pays():
+    """Levels the target accepts with 0.9, 0.8, then 0.1, 0.05: with draft forwards at 40% of a
+    target step, two levels pay best; with nearly free ones, all four."""
+    path_prob = np.array([[0.9, 0.8, 0.1, 0.05]])
+    depth = np.array([[1, 2, 3, 4]])
+    costly = _policy(FLAT, draft_cost=CostCurve((1,), (0.04,)), node_budget=4, max_depth=4)
+    cheap = _policy(FLAT, draft_cost=CostCurve((1,), (1e-5,)), node_budget=4, max_depth=4)
+    for policy in (costly, cheap):
+        _teach(policy, path_prob, depth, level_rows=[1, 1, 1, 1])
+    assert costly.should_draft(1, 0).depth == 2
+    assert cheap.should_draft(1, 0).depth == 4
+    tokens, seconds = costly.predict(1, 0)
+    # Depth 2: 1 + 0.9 + 0.8 tokens in two draft forwards and one target step; plain: 1 in 0.1 s.
+    assert tokens[2] / seconds[2] == pytest.approx(2.7 / (0.08 + 0.1))
+    assert (tokens[0], seconds[0]) == (1, pytest.approx(0.1))
+
+
+def test_a_depth_is_predicted_only_once_a_step_drafted_that_deep():
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (1e-5,)), node_budget=4, max_depth=4)
+    _teach(policy, np.array([[0.9, 0.8, 0.0, 0.0]]), np.array([[1, 2, 0, 0]]), level_rows=[1, 1],
+           drafted_depth=2)
+    tokens, seconds = policy.predict(1, 0)
+    rates = tokens / seconds
+    assert not np.isnan(rates[:3]).any() and np.isnan(rates[3:]).all()
+    assert policy.should_draft(1, 0).depth == 2
+    np.testing.assert_allclose(policy.gain_curve(1), [0, 0.9, 0.9, 0.9, 0.9])
+    np.testing.assert_allclose(policy.gain_curve(2), [0, 0.9, 1.7, 1.7, 1.7])
 
 
 def test_a_long_run_of_plain_steps_is_broken_by_one_drafted_step():
@@ -142,17 +179,14 @@ def test_a_long_run_of_plain_steps_is_broken_by_one_drafted_step():
     assert decisions[policy.explore_every - 1].num_requests == policy.explore_requests < 8
 
 
-def test_the_expected_draft_cost_counts_each_forward_as_often_as_it_runs():
+def test_the_expected_draft_cost_counts_the_levels_of_the_depth():
     policy = _policy(FLAT, draft_cost=CostCurve((1, 10), (1.0, 2.0)), max_depth=3)
-    for step in range(200):  # catch-up and level 1 every step, level 2 every other step
-        policy.observe_forward(0, 1, 1)
-        policy.observe_forward(1, 3, 1)
-        if step % 2:
-            policy.observe_forward(2, 6, 1)
-        policy.finish_draft()
-    # 1 request: catch-up 1 row (1.0 s), level 1 3 rows, level 2 6 rows half the time.
-    expected = 1.0 + (1.0 + 2 / 9) + 0.5 * (1.0 + 5 / 9)
-    assert policy.expected_draft_seconds(1) == pytest.approx(expected, rel=0.05)
+    policy.observe_forward(0, 1, 1)  # catch-up: 1 row per request
+    policy.observe_forward(1, 3, 1)  # level 1: 3 rows; level 2 never drafted (taken as level 1)
+    level1 = 1.0 + 2 / 9
+    assert policy.expected_draft_seconds(1, depth=1) == pytest.approx(1.0)
+    assert policy.expected_draft_seconds(1, depth=3) == pytest.approx(1.0 + 2 * level1)
+    assert policy.expected_draft_seconds(2, depth=2) == pytest.approx((1.0 + 1 / 9) + (1.0 + 5 / 9))
 
 
 def test_learned_scales_carry_real_step_times_into_the_decision():
@@ -163,7 +197,6 @@ def test_learned_scales_carry_real_step_times_into_the_decision():
                                   max_depth=2, learn_scales=learn_scales)
         policy.observe_forward(0, 2, 1)
         policy.observe_forward(1, 3, 1)
-        policy.finish_draft()
         policy.select(np.tile([0.95, 0.9, 0.3, 0.2], (8, 1)), np.tile([1, 2, 1, 2], (8, 1)),
                       np.full(8, 4), 0, 0.04)
         for _ in range(100):
@@ -177,14 +210,19 @@ def test_learned_scales_carry_real_step_times_into_the_decision():
     assert not learned.should_draft(8, 0)
 
 
-def test_continue_drafting_weighs_the_next_level_against_its_forward():
-    cheap_draft = _policy(FLAT, draft_cost=CostCurve((1,), (1e-6,)))
-    costly_draft = _policy(FLAT, draft_cost=CostCurve((1,), (10.0,)))
-    gains, frontier = np.array([0.9, 0.8]), np.array([0.8])
-    assert cheap_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=2)
-    assert not costly_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=2)
-    assert not cheap_draft.continue_drafting(gains, np.zeros(0), 1, 0, draft_seconds=0.05, level=2)
-    assert not cheap_draft.continue_drafting(gains, frontier, 1, 0, draft_seconds=0.05, level=4)
+def test_now_and_then_the_policy_drafts_one_level_deeper_than_it_knows():
+    """Steps that draft 2 levels teach caps 1 and 2 only; every explore_every drafted steps one
+    drafts a third level, so that a deeper tree that would pay is found."""
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (0.04,)), node_budget=4, max_depth=4)
+    depths = []
+    for _ in range(3 * policy.explore_every):
+        decision = policy.should_draft(1, 0)
+        depths.append(decision.depth)
+        drafted = min(decision.depth, 2) if decision.depth <= 3 else 4
+        _teach(policy, np.array([[0.9, 0.8, 0.1, 0.05]]), np.array([[1, 2, 3, 4]]),
+               level_rows=[1] * drafted, drafted_depth=decision.depth)
+    assert depths[0] == 4  # nothing known: every level
+    assert 0 < depths.count(3) <= 4 and depths.count(2) > 2 * policy.explore_every
 
 
 def _random_graph(seed: int, batch: int, budget: int, top_k: int = 3, depth: int = 4, vocab: int = 12):
@@ -212,91 +250,112 @@ def test_the_selection_cut_by_build_tree_verifies_what_was_chosen():
     assert gains[real].sum() == pytest.approx(selection.expected_accepted)
 
 
-def _referee_run(referee, steps, plain_rate, spec_rate, num_requests=1):
-    """Drive the referee as the engine does (a plain step emits 1 token per request, a
-    speculative one 3); return (speculative steps, seconds, seconds plain steps would take)."""
-    speculated, seconds, plain_seconds = 0, 0.0, 0.0
-    for _ in range(steps):
-        allowed, _ = referee.allows(num_requests)
-        speculated += allowed
-        tokens = num_requests * (3 if allowed else 1)
-        took = tokens / (spec_rate if allowed else plain_rate)
-        referee.observe(allowed, num_requests, tokens=tokens, seconds=took)
-        seconds, plain_seconds = seconds + took, plain_seconds + tokens / plain_rate
-    return speculated, seconds, plain_seconds
+class _World:
+    """A machine and a cost model. A plain step takes `plain_seconds` for 1 token per request; a
+    step drafting d levels truly yields truth[d] = (tokens, seconds) per request-step (its tokens
+    swing by +-`swing` from step to step), while the model predicts model[d] = (tokens, seconds)."""
+
+    def __init__(self, plain_seconds, truth, model=None, swing=0.9, seed=0, depths=4):
+        self.plain_seconds, self.truth, self.model = plain_seconds, truth, model or truth
+        self.swing, self.rng = swing, np.random.default_rng(seed)
+        self.depths = depths
+
+    def prediction(self):
+        tokens, seconds = np.full(self.depths + 1, np.nan), np.full(self.depths + 1, np.nan)
+        tokens[0], seconds[0] = 1.0, self.plain_seconds
+        for d, (t, sec) in self.model.items():
+            tokens[d], seconds[d] = t, sec
+        return tokens, seconds
+
+    def run(self, referee, steps, num_requests=1):
+        """Drive the referee as the engine does; return (steps by arm, seconds, seconds plain
+        steps would take for the same tokens)."""
+        arms, seconds, plain_seconds = collections.Counter(), 0.0, 0.0
+        for _ in range(steps):
+            tokens, predicted = self.prediction()
+            depth, _ = referee.choose(num_requests, tokens, predicted)
+            arms[depth] += 1
+            if depth == 0:
+                emitted, took = 1.0, self.plain_seconds
+            else:
+                mean, took = self.truth[depth]
+                emitted = max(1.0, mean + self.rng.choice([-1.0, 1.0]) * self.swing)
+            referee.observe(depth, num_requests, emitted, took, tokens[depth], predicted[depth])
+            seconds += took
+            plain_seconds += emitted * self.plain_seconds
+        return arms, seconds, plain_seconds
+
+
+def _referee(max_depth=4, **kwargs):
+    from vllm_gsd.graph.budget import WallClockReferee
+
+    return WallClockReferee(max_depth, **kwargs)
 
 
 def test_referee_loses_little_to_speculation_that_measures_slower():
-    from vllm_gsd.graph.budget import WallClockReferee
-
-    for spec_rate in (2.0, 6.0, 9.0):  # far slower, slower, a little slower than plain (10)
-        referee = WallClockReferee()
-        speculated, seconds, plain_seconds = _referee_run(referee, 5000, plain_rate=10.0, spec_rate=spec_rate)
-        assert seconds <= 1.03 * plain_seconds, (spec_rate, speculated)
-        assert referee.rates(1)[1] < referee.rates(1)[0]
+    """The model promises 1.5x at every depth; the machine gives 0.2x, 0.6x or 0.9x plain."""
+    for ratio in (0.2, 0.6, 0.9):
+        truth = {d: (2.0 + d, (2.0 + d) * 0.1 / ratio) for d in range(1, 5)}
+        model = {d: (2.0 + d, (2.0 + d) * 0.1 / 1.5) for d in range(1, 5)}
+        arms, seconds, plain_seconds = _World(0.1, truth, model).run(_referee(), 3000)
+        assert seconds <= 1.03 * plain_seconds, (ratio, arms)
 
 
 def test_referee_keeps_speculation_that_measures_faster():
-    from vllm_gsd.graph.budget import WallClockReferee
+    """The model says depth 2 is 1.1x plain, the machine gives 1.5x: plain steps are few."""
+    truth = {d: (3.0, 0.2) for d in range(1, 5)}
+    model = {d: (3.0, 0.27) for d in range(1, 5)}
+    arms, seconds, plain_seconds = _World(0.1, truth, model).run(_referee(), 1000)
+    assert arms[0] <= 0.05 * 1000
+    assert seconds <= 1.03 * plain_seconds / 1.5
 
-    referee = WallClockReferee()
-    speculated, seconds, plain_seconds = _referee_run(referee, 1000, plain_rate=10.0, spec_rate=15.0)
-    assert speculated >= 0.95 * 1000 and seconds < 0.75 * plain_seconds
+
+def test_referee_finds_the_fastest_depth_whatever_the_model_says():
+    """Depth 2 runs fastest; the model (its costs off by depth) ranks depth 4 first."""
+    truth = {1: (2.0, 0.16), 2: (2.8, 0.2), 3: (3.2, 0.25), 4: (3.4, 0.37)}
+    model = {1: (2.0, 0.16), 2: (2.8, 0.25), 3: (3.2, 0.3), 4: (3.4, 0.2)}
+    arms, seconds, plain_seconds = _World(0.1, truth, model).run(_referee(), 2000)
+    assert arms.most_common(1)[0][0] == 2 and arms[2] >= 0.8 * 2000, arms
+    assert seconds <= 1.04 * plain_seconds * 0.1 / (0.2 / 2.8)
 
 
 def test_referee_judges_each_load_apart():
-    from vllm_gsd.graph.budget import WallClockReferee
-
-    referee = WallClockReferee()
-    _referee_run(referee, 300, plain_rate=10.0, spec_rate=6.0, num_requests=32)
-    assert _referee_run(referee, 300, plain_rate=10.0, spec_rate=15.0, num_requests=1)[0] >= 280
-    assert not referee.allows(32)[0]
+    referee = _referee()
+    slow = {d: (3.0, 0.5) for d in range(1, 5)}
+    _World(0.1, slow, {d: (3.0, 0.2) for d in range(1, 5)}).run(referee, 300, num_requests=32)
+    fast = {d: (3.0, 0.2) for d in range(1, 5)}
+    assert _World(0.1, fast).run(referee, 300, num_requests=1)[0][0] <= 20
+    tokens, seconds = _World(0.1, fast).prediction()
+    assert referee.choose(32, tokens, seconds)[0] == 0
 
 
 def test_referee_tries_again_and_follows_a_change():
     """Speculation that loses, then wins (the machine got quieter): found again."""
-    from vllm_gsd.graph.budget import WallClockReferee
-
-    referee = WallClockReferee()
-    _referee_run(referee, 500, plain_rate=10.0, spec_rate=6.0)
-    assert _referee_run(referee, 3000, plain_rate=10.0, spec_rate=20.0)[0] >= 2000
-
-
-def _observe(referee, speculative, steps, rate, predicted_speedup=None, tokens=3):
-    for _ in range(steps):
-        referee.observe(speculative, 1, tokens=tokens, seconds=tokens / rate, predicted_speedup=predicted_speedup)
+    referee = _referee()
+    model = {d: (3.0, 0.2) for d in range(1, 5)}
+    _World(0.1, {d: (3.0, 0.5) for d in range(1, 5)}, model).run(referee, 500)
+    arms, _, _ = _World(0.1, {d: (3.0, 0.15) for d in range(1, 5)}, model).run(referee, 3000)
+    assert arms[0] <= 0.1 * 3000
 
 
-def test_referee_insists_where_drafted_steps_measure_faster_than_the_model_predicts():
-    """A model timed in a slow moment predicts 1.1x for the steps it drafts while they measure
-    1.5x: a step it would run plainly at a predicted 0.9x is corrected to 1.23x and drafts; one
-    at 0.6x (corrected 0.82x) stays plain."""
-    from vllm_gsd.graph.budget import WallClockReferee
-
-    referee = WallClockReferee()
-    assert not referee.insists(1, 0.9)[0]  # nothing measured
-    _observe(referee, False, 5, rate=10.0, tokens=1)
-    _observe(referee, True, 5, rate=15.0, predicted_speedup=1.1)
-    assert referee.insists(1, 0.9)[0]
-    assert not referee.insists(1, 0.6)[0]
-    assert not referee.insists(8, 0.9)[0]  # another load: not measured there
+def test_referee_measures_plain_steps_first():
+    referee = _referee()
+    tokens, seconds = _World(0.1, {1: (3.0, 0.2)}).prediction()
+    assert referee.choose(1, tokens, seconds)[0] == 0 and not referee.plain_measured(1)
+    for _ in range(3):
+        referee.observe(0, 1, 1.0, 0.1, 1.0, 0.1)
+    assert referee.plain_measured(1) and referee.choose(1, tokens, seconds)[0] == 1
 
 
-def test_referee_never_insists_where_drafted_steps_measure_slower():
-    from vllm_gsd.graph.budget import WallClockReferee
-
-    referee = WallClockReferee()
-    _observe(referee, False, 5, rate=10.0, tokens=1)
-    _observe(referee, True, 5, rate=9.0, predicted_speedup=0.5)  # the model was far too pessimistic
-    assert not referee.insists(1, 0.9)[0]
-
-
-def test_referee_rates_are_tokens_over_seconds_not_a_mean_of_step_rates():
-    """Trees accept 1 token in 0.1 s and 5 in 0.9 s in turn: 6 tokens in 1 s, 6 tokens/s. A mean
-    of the steps' own rates (10 and 5.6) would say 7.8."""
-    from vllm_gsd.graph.budget import WallClockReferee
-
-    referee = WallClockReferee(smoothing=0.05)
-    for tokens, seconds in ((1, 0.1), (5, 0.9)) * 100:
-        referee.observe(True, 1, tokens=tokens, seconds=seconds)
-    assert abs(referee.rates(1)[1] - 6.0) < 0.4
+def test_referee_corrects_cost_and_yield_per_arm_leaning_on_all_drafted_steps():
+    """Depth 1 steps take twice and yield half what the model says; depth 2 (never run) is
+    corrected like the drafted steps pooled, more so as depth 1 steps accumulate."""
+    referee = _referee(max_depth=2, prior_steps=4.0)
+    for _ in range(3):
+        referee.observe(0, 1, 1.0, 0.1, 1.0, 0.1)
+    for _ in range(50):
+        referee.observe(1, 1, 1.5, 0.4, 3.0, 0.2)
+    tokens, seconds = referee.corrected(1, np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25]))
+    assert tokens[0] == 1.0 and seconds[0] == pytest.approx(0.1)
+    assert tokens[1] == pytest.approx(1.5, rel=0.02) and seconds[1] == pytest.approx(0.4, rel=0.02)
+    assert tokens[2] == pytest.approx(2.0, rel=0.02) and seconds[2] == pytest.approx(0.5, rel=0.02)

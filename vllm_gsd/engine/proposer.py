@@ -54,7 +54,7 @@ from vllm_gsd.engine.sampling import is_sampled, noise_key, processed_scores
 from vllm_gsd.engine.scorer import rows_per_chunk
 from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot
 from vllm_gsd.graph import GraphBuilder, VerificationTree, warm_up
-from vllm_gsd.graph.budget import Decision, NodeBudgetPolicy, WallClockReferee
+from vllm_gsd.graph.budget import NodeBudgetPolicy, WallClockReferee
 from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -120,10 +120,15 @@ class GsdProposer(DraftModelProposer):
         self.policy: NodeBudgetPolicy | None = None  # set by prepare_policy when adaptive
         self.referee: WallClockReferee | None = None  # the adaptive budget's veto (measured curves only)
         self._last_call: float | None = None  # when the last step's drafting began
-        # The step drafted last call: whether for only some of its tree requests (exploring), and
-        # the cost model's predicted speed-up of it, which the referee weighs against its time.
+        # The step decided last call: the depth it was allowed to draft (0: plain), the arm the
+        # referee measures it under, and whether it drafted for only some of its tree requests
+        # (exploring: measured as no arm).
+        self._step_depth = 0
         self._drafted_partially = False
-        self._drafted_prediction: float | None = None
+        self._step_prediction = (0.0, 0.0)  # the model's (tokens, seconds) of it
+        # Its draft's catch-up on tokens decoded plainly before it, in seconds by the draft's
+        # curve: a cost of the plain streak, not of the depth the step drafted.
+        self._step_catch_up_excess = 0.0
         self._draft: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
         self._ledger: DraftKvLedger | None = None  # made once the block size is known
         # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
@@ -143,7 +148,7 @@ class GsdProposer(DraftModelProposer):
         self.policy = NodeBudgetPolicy(target_cost, draft_cost, self.node_budget, knobs.max_depth,
                                        learn_scales=knobs.cost_curve is None)
         # Whole steps as they run decide in the end; curves a user gave are taken as they are.
-        self.referee = WallClockReferee() if knobs.cost_curve is None else None
+        self.referee = WallClockReferee(knobs.max_depth) if knobs.cost_curve is None else None
 
     def record_target_forward(self, num_tokens: int, seconds: float, verified_trees: bool) -> None:
         """The runner's target forward of this step took `seconds` (engine/runner_hooks.py)."""
@@ -173,15 +178,16 @@ class GsdProposer(DraftModelProposer):
         for (kind, predicted, _), seconds in zip(self._step_times, forward_seconds):
             self.policy.observe_time(kind, predicted, seconds)
         self._step_times.clear()
-        prediction, partially = self._drafted_prediction, self._drafted_partially
-        self._drafted_prediction, self._drafted_partially = None, False
+        depth, partially, predicted = self._step_depth, self._drafted_partially, self._step_prediction
+        excess, self._step_catch_up_excess = self._step_catch_up_excess, 0.0
+        self._step_depth, self._drafted_partially, self._step_prediction = 0, False, (0.0, 0.0)
         speculative = bool(scheduler_output.scheduled_spec_decode_tokens)
         # A prefill would skew the rate, and a step that drafted for some of its requests only
         # (exploring) measures neither plain nor speculative decoding.
         if self.referee is not None and _all_decodes(scheduler_output) and not partially:
             tokens = sum(len(t) for t in valid_sampled_token_ids)
-            self.referee.observe(speculative, len(valid_sampled_token_ids), tokens, step_seconds,
-                                 predicted_speedup=prediction)
+            arm_seconds = max(step_seconds - excess, 0.5 * step_seconds)
+            self.referee.observe(depth, len(valid_sampled_token_ids), tokens, arm_seconds, *predicted)
             us = int(step_seconds * 1e6)
             if speculative:
                 stats.speculative_step_us, stats.speculative_step_tokens = us, tokens
@@ -214,36 +220,31 @@ class GsdProposer(DraftModelProposer):
         if not candidates:
             self._record(stats)
             return drafts
+        depth, explore = self.graph_params.max_depth, False
         if self.policy is not None:
-            decision = self.policy.should_draft(len(candidates), num_plain)
-            if not decision and self.referee is not None and decision.predicted_speedup is not None:
-                insists, why = self.referee.insists(len(req_ids), decision.predicted_speedup)
-                if insists:
-                    decision = Decision(True, f"{decision.why}; {why}",
-                                        predicted_speedup=decision.predicted_speedup)
-            if decision and self.referee is not None:
-                allowed, why = self.referee.allows(len(req_ids))
-                if not allowed:
-                    decision = Decision(False, why)
-                    stats.steps_vetoed += 1
+            depth, explore, why = self._decide(len(req_ids), len(candidates), num_plain, stats)
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
-                         num_plain, "draft" if decision else "plain step", decision.why)
-            if not decision:
+                         num_plain, f"draft {depth} levels" if depth else "plain step", why)
+            if not depth:
                 stats.steps_not_speculated += 1
                 self._record(stats)
                 return drafts
-            self._drafted_prediction = decision.predicted_speedup
-            if decision.num_requests is not None and decision.num_requests < len(candidates):
+            if explore and self.policy.explore_requests < len(candidates):
                 self._drafted_partially = True
                 # The least behind: their catch-up is the shortest (then back in batch order).
                 least_behind = sorted(candidates, key=lambda c: c.root_pos - c.catch_up_from)
-                num_plain += len(candidates) - decision.num_requests
-                candidates = sorted(least_behind[:decision.num_requests], key=lambda c: c.batch_row)
+                num_plain += len(candidates) - self.policy.explore_requests
+                candidates = sorted(least_behind[:self.policy.explore_requests], key=lambda c: c.batch_row)
+            self._step_depth = depth
 
         started, self._curve_seconds = time.perf_counter(), 0.0
         root_logits = self._catch_up(runner, candidates, stats)
-        tree = self._grow(runner, candidates, root_logits, num_plain, stats,
-                          explore=self.policy is not None and decision.explore)
+        if self.referee is not None:
+            behind = [c.root_pos + 1 - c.catch_up_from for c in candidates]
+            steady = [min(b, len(valid_sampled_token_ids[c.batch_row])) for b, c in zip(behind, candidates)]
+            self._step_catch_up_excess = self.policy.scale["draft"] * float(
+                self.policy.draft_cost(sum(behind)) - self.policy.draft_cost(sum(steady)))
+        tree = self._grow(runner, candidates, root_logits, num_plain, stats, depth, explore)
         num_nodes = tree.num_nodes.tolist()
         for b, candidate in enumerate(candidates):
             n = num_nodes[b]
@@ -270,6 +271,28 @@ class GsdProposer(DraftModelProposer):
         self._check_ranks_agree(req_ids, drafts)
         self._record(stats)
         return drafts
+
+    def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats
+                ) -> tuple[int, bool, str]:
+        """(depth, explore, why): the adaptive budget's answer for this step. The cost model
+        proposes a depth, or plain decoding (with curves the user gave, now and then a few
+        exploring trees to refresh its estimates); where whole steps are measured, the referee
+        picks the arm that measures fastest (the model's depth while that is not measured yet)
+        and does the exploring itself, at a bounded cost."""
+        decision = self.policy.should_draft(num_candidates, num_plain)
+        if self.referee is None:
+            return (decision.depth if decision else 0), decision.explore, decision.why
+        if decision.tokens is None:  # nothing to predict from yet: the model's first trees
+            depth, why = (decision.depth, "") if self.referee.plain_measured(num_requests) else (
+                0, "measuring plain steps first")
+        else:
+            depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds)
+        if decision and not decision.explore and not depth:
+            stats.steps_vetoed += 1
+        if not depth:
+            base = num_candidates + num_plain
+            self._step_prediction = (float(base), float(self.policy.plain_seconds(base)))
+        return depth, False, f"{decision.why}; {why}"
 
     def _check_ranks_agree(self, req_ids: list[str], drafts: list[list[int]]) -> None:
         if self.vllm_config.parallel_config.tensor_parallel_size == 1:
@@ -413,7 +436,7 @@ class GsdProposer(DraftModelProposer):
         return torch.stack(root_hidden)
 
     def _grow(self, runner, candidates: list[_Candidate], root_hidden: torch.Tensor,
-              num_plain: int, stats: GsdStats, explore: bool = False) -> VerificationTree:
+              num_plain: int, stats: GsdStats, depth: int, explore: bool = False) -> VerificationTree:
         token_ids_cpu = runner.input_batch.token_ids_cpu
         batch_rows = np.asarray([c.batch_row for c in candidates], dtype=np.int64)
         root_pos = np.asarray([c.root_pos for c in candidates], dtype=np.int64)
@@ -429,8 +452,7 @@ class GsdProposer(DraftModelProposer):
         frontier_hidden, level = root_hidden, 0
         while (frontier := builder.frontier()) is not None:
             if frontier_hidden is None:
-                if policy is not None and not self._next_level_pays(builder, frontier, len(candidates),
-                                                                    num_plain, level):
+                if level >= depth:
                     break
                 frontier_hidden = self._expand_level(runner, builder, frontier, batch_rows, root_pos, stats)
                 num_rows = int(frontier.request_index.numel())
@@ -444,28 +466,15 @@ class GsdProposer(DraftModelProposer):
                 rows_request, rows_depth = frontier.request_index.numpy(), frontier.depth.numpy()
             top_tokens, top_probs = self._children(frontier_hidden, stats, candidates, rows_request, rows_depth)
             builder.expand(top_tokens, top_probs)
-            if policy is not None:
-                policy.observe_children(top_probs[:, 0].double().numpy())
             frontier_hidden, level = None, level + 1
         tree = builder.build_tree()
         stats.nodes_offered += int(tree.num_nodes.sum())
         if policy is not None:
-            policy.finish_draft()
             selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
-                                      num_plain, self._curve_seconds, explore=explore)
+                                      num_plain, self._curve_seconds, explore=explore, drafted_depth=depth)
             tree = builder.build_tree(node_budget=selection.node_budget)
+            self._step_prediction = (selection.tokens, selection.seconds)
         return tree
-
-    def _next_level_pays(self, builder: GraphBuilder, frontier, num_trees: int, num_plain: int,
-                         level: int) -> bool:
-        graph = builder.graph(copy=False)  # read here, before the next level changes it
-        rows = np.arange(graph.path_prob.shape[1])
-        drafted = (rows[None, :] >= 1) & (rows[None, :] <= graph.num_nodes[:, None])
-        gain = self.policy.acceptance.node_gain(graph.path_prob[drafted], graph.depth[drafted])
-        request, row = frontier.request_index.numpy(), frontier.node_row.numpy()
-        frontier_gain = self.policy.acceptance.node_gain(graph.path_prob[request, row], graph.depth[request, row])
-        return self.policy.continue_drafting(np.sort(gain)[::-1], frontier_gain, num_trees, num_plain,
-                                             self._curve_seconds, level)
 
     def _expand_level(self, runner, builder: GraphBuilder, frontier, batch_rows: np.ndarray,
                       root_pos: np.ndarray, stats: GsdStats) -> torch.Tensor:
@@ -490,11 +499,17 @@ class GsdProposer(DraftModelProposer):
             rows = slice(starts[group[0]], ends[group[-1]])
             lengths = ends[group] - starts[group]
             query_start = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-            attention = TreeAttention.build(
-                request_index=np.arange(len(group)), query_start=query_start, query_len=lengths,
-                tree_base=root_pos[requests[group]],
-                ancestor_words=ancestor_words[torch.from_numpy(requests[group])],
-                query_tree_row=node_row[rows], device=self.device)
+            # A graph that is a chain so far (one frontier row, numbered as deep as it is: one
+            # row per level before it, all its ancestors) needs no graph mask: the causal one is it.
+            chain = (lengths == 1) & (node_row[starts[group]] == depth[starts[group]])
+            trees = np.flatnonzero(~chain)
+            query_tree_row = node_row[rows].astype(np.int32)
+            query_tree_row[query_start[chain]] = -1
+            attention = None if trees.size == 0 else TreeAttention.build(
+                request_index=trees, query_start=query_start[trees], query_len=lengths[trees],
+                tree_base=root_pos[requests[group][trees]],
+                ancestor_words=ancestor_words[torch.from_numpy(requests[group][trees])],
+                query_tree_row=query_tree_row, device=self.device)
             hidden.append(self._forward(runner, level, attention, np.arange(rows.stop - rows.start), stats))
         # Back to the builder's frontier order.
         sorted_hidden = torch.cat(hidden)

@@ -35,7 +35,8 @@ class TreeAttention:
     """Graph-mask inputs of one forward. Requests are numbered by their position in the
     forward's batch (the attention metadata's query_start_loc order).
 
-    request_index: int64 [Bt] (host): requests with tree rows, ascending;
+    request_index: int64 [Bt] (host): requests with tree rows, ascending (a tree that is a chain
+        is not one: its graph mask is the causal mask, which vLLM's kernel applies);
     query_start, query_len: int64 [Bt] (host): each tree request's query tokens in the forward
         (all of them, rows before its tree included: those are causal);
     tree_base: int32 [Bt] (host): KV position of each tree's row 0;
@@ -132,13 +133,20 @@ def chain_trees(num_draft_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(real, rows, -1), torch.where(real, rows + 1, 0)
 
 
+def is_chain(parent_row: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+    """bool [B]: each request's tree is a chain (node i's parent is row i: the root or node i - 1),
+    so that its rows sit at consecutive positions and see exactly the rows before them."""
+    rows = torch.arange(parent_row.shape[1], dtype=parent_row.dtype)
+    return ((parent_row == rows) | (rows >= num_nodes.unsqueeze(1))).all(dim=1)
+
+
 def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
                      tree_base: np.ndarray, via_merge: torch.Tensor, noise_key: list[int | None],
                      query_start_loc: np.ndarray, device: torch.device) -> TreeBatch:
     """The step's TreeBatch from per-row trees (see TreeBatch) and the forward's
     query_start_loc (int [B + 1], host): a request's tree rows are its last n + 1 tokens."""
     num_nodes_np = num_nodes.numpy()
-    request_index = np.flatnonzero(num_nodes_np > 0)
+    request_index = np.flatnonzero((num_nodes_np > 0) & ~is_chain(parent_row, num_nodes).numpy())
     query_start = query_start_loc[request_index]
     query_len = query_start_loc[request_index + 1] - query_start
     query_tree_row = np.full(int(query_start_loc[-1]), -1, dtype=np.int32)

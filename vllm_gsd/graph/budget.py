@@ -8,14 +8,16 @@ and a draft forward costing T_d(q), a step that verifies k tree nodes in all emi
     seconds(k) = draft seconds spent + T_t(R + D + k)
 
 and a step without speculation emits R + D tokens in T_t(R + D) seconds (no draft forward at all).
-`NodeBudgetPolicy` answers the three questions of a step with that one rate:
+`NodeBudgetPolicy` answers the questions of a step with that one rate:
 
-* `should_draft`: is speculation expected to beat no speculation at this load? (from the gain
-  curve of recent trees and the cost curves; at high load the answer becomes no);
-* `continue_drafting`: after a level, is one more draft forward worth its cost? (the next level's
-  best children are estimated from the frontier's path probabilities);
+* `should_draft`: is speculation expected to beat no speculation at this load, and how many
+  levels should the step draft? (from the gain curves of recent trees by depth and the cost
+  curves; at high load the answer becomes no);
 * `select`: how many of each request's best nodes (by path probability) to verify, so that the
   batch's rate is the highest. Few nodes per request degenerate to the most likely chain.
+
+`WallClockReferee` judges the model by what whole steps measure: per load, it runs the depth
+(or plain decoding) that measures fastest, and tries its neighbours at a bounded cost.
 
 Acceptance probabilities come from the draft's path probabilities, calibrated per depth by
 `AcceptanceModel` against what the target actually accepted. Everything here is plain numpy and
@@ -25,6 +27,8 @@ curves are measured once and shared by the engine).
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,14 +149,20 @@ class Decision:
 
     draft: bool
     why: str
+    # The draft depth (levels of the graph) the model expects to pay best: the step drafts at
+    # most this many levels. Also set when drafting is not expected to pay (then the depth an
+    # exploring step, or the referee's try, would use).
+    depth: int = 0
     # An exploring step (drafted although it is not expected to pay, to refresh the estimates)
     # drafts for num_requests of the tree requests: the draft must first catch up on every token
     # of the plain streak, at high load the largest cost of the step, and a few trees refresh
     # the estimates as well as many. None: all of them.
     explore: bool = False
     num_requests: int | None = None
-    # The model's tokens/s of its best drafted step over its plain rate (None: not estimated).
-    predicted_speedup: float | None = None
+    # The model's step by depth (index 0: plain), for the referee: tokens and seconds (NaN where
+    # it cannot predict), at the load of the decision.
+    tokens: np.ndarray | None = None
+    seconds: np.ndarray | None = None
 
     def __bool__(self) -> bool:
         return self.draft
@@ -165,6 +175,8 @@ class Selection:
     node_budget: np.ndarray  # int64 [B]: nodes to verify per request
     expected_accepted: float  # sum over the batch of the chosen nodes' gains
     rate: float  # expected tokens per second of the step
+    tokens: float  # expected tokens of the step (every request's one, plus expected_accepted)
+    seconds: float  # the model's seconds of the step (draft spent, verification)
 
 
 class NodeBudgetPolicy:
@@ -175,6 +187,13 @@ class NodeBudgetPolicy:
     explore_every: after this many steps decided as plain decoding in a row, one is drafted, so
     the estimates behind the decision are refreshed (load falls, the draft may improve); it
     drafts for at most explore_requests requests.
+
+    Depth is a decision of its own: each draft level costs a forward, and the levels a step runs
+    are paid whatever the tree accepts. So the recent trees are remembered per depth cap c (the
+    expected accepted nodes of a request's best n nodes no deeper than c: `gain_curve(c)`), and a
+    step is predicted for every c up to max_depth with the draft forwards of c levels; only caps
+    that recent steps drafted to are predicted (a deeper one is tried by the wall-clock
+    referee's exploration, and predicted from then on).
 
     Measured curves time bare forwards; a real step also builds inputs, runs attention over the
     context (the tree rows under the graph mask) and, for the draft, builds the graph. With
@@ -192,15 +211,17 @@ class NodeBudgetPolicy:
         self.node_budget, self.max_depth = node_budget, max_depth
         self.acceptance = AcceptanceModel(max_depth)
         self._smoothing = smoothing
-        # Recent history, for predicting a step before drafting it (None until the first tree):
-        # [N + 1, D + 1], the path probs of a request's best n nodes (by path prob), by depth.
-        self._best_nodes_mass: np.ndarray | None = None
-        # Per draft forward l (0 = catch-up, l >= 1 expands depth-l nodes): how often a drafted
-        # step runs it, and its rows per request when it runs.
-        self._level_runs = np.zeros(max_depth)
+        # Recent trees, for predicting a step before drafting it: [cap c, n, depth d], the mean
+        # over requests of the path probs at depth d of a request's best n nodes no deeper than
+        # c (the acceptance model turns them into expected accepted nodes when a step is
+        # predicted, so that its latest calibration counts). Cap c is known once a step drafted
+        # c levels or more.
+        self._mass_by_cap = np.zeros((max_depth + 1, node_budget + 1, max_depth + 1))
+        self._cap_known = np.zeros(max_depth + 1, dtype=bool)
+        # Per draft forward l (0 = catch-up, l >= 1 expands depth-l nodes): its rows per request.
         self._level_rows = np.zeros(max_depth)
-        self._ran_this_step = np.zeros(max_depth, dtype=bool)
-        self._top_child_prob = 0.8  # draft prob of a node's best child (for the next-level estimate)
+        self._level_seen = np.zeros(max_depth, dtype=bool)
+        self._cap_age = np.zeros(max_depth + 1, dtype=np.int64)  # drafted steps since a cap was taught
         self._plain_streak = 0
         self.scale = {"plain": 1.0, "tree": 1.0, "draft": 1.0}
         self.learn_scales = learn_scales
@@ -228,87 +249,77 @@ class NodeBudgetPolicy:
     # ---------------------------------------------------------------- before drafting
 
     def should_draft(self, num_tree_requests: int, num_other_tokens: int) -> Decision:
-        """Whether a drafted step is expected to emit more tokens per second than a plain one."""
+        """Whether a drafted step is expected to emit more tokens per second than a plain one,
+        and at which depth it pays best."""
         if num_tree_requests == 0:
             return Decision(False, "no request can grow a tree")
-        if self._best_nodes_mass is None:
-            return Decision(True, "nothing measured yet")
-        r, base = num_tree_requests, num_tree_requests + num_other_tokens
-        plain_rate = base / self.plain_seconds(base)
-        draft_seconds = self.scale["draft"] * self.expected_draft_seconds(r)
-        n = np.arange(self.node_budget + 1)
-        spec_rate = (base + r * self.gain_curve()) / (draft_seconds + self.tree_seconds(base + r * n))
-        best = int(np.argmax(spec_rate[1:])) + 1
-        rates = f"{spec_rate[best]:.2f} tokens/s at {best} nodes per tree against {plain_rate:.2f} plain"
-        speedup = float(spec_rate[best] / plain_rate)
-        if spec_rate[best] > plain_rate:
+        if not self._cap_known.any():
+            return Decision(True, "nothing measured yet", depth=self.max_depth)
+        r = num_tree_requests
+        tokens, seconds = self.predict(num_tree_requests, num_other_tokens)
+        rates = tokens / seconds
+        depth = int(np.nanargmax(rates[1:])) + 1
+        figures = (f"{rates[depth]:.2f} tokens/s at depth {depth} against {rates[0]:.2f} plain "
+                   f"({rates[depth] / rates[0]:.2f}x)")
+        decision = functools.partial(Decision, tokens=tokens, seconds=seconds)
+        if rates[depth] > rates[0]:
             self._plain_streak = 0
-            return Decision(True, rates, predicted_speedup=speedup)
+            if depth < self.max_depth and self._cap_age[depth + 1] >= self.explore_every:
+                # Caps deeper than the steps draft are not taught: now and then one level more.
+                return decision(True, f"{figures}; one level deeper to refresh the estimates", depth=depth + 1)
+            return decision(True, figures, depth=depth)
         # Decisions rest on estimates that only drafted steps refresh: every so often, draft anyway.
         self._plain_streak += 1
         if self._plain_streak >= self.explore_every:
             self._plain_streak = 0
             explorers = min(r, self.explore_requests)
-            return Decision(True, f"{rates}; drafting {explorers} trees to refresh the estimates",
-                            explore=True, num_requests=explorers, predicted_speedup=speedup)
-        return Decision(False, rates, predicted_speedup=speedup)
+            return decision(True, f"{figures}; drafting {explorers} trees to refresh the estimates",
+                            depth=depth, explore=True, num_requests=explorers)
+        return decision(False, figures, depth=depth)
 
-    def expected_draft_seconds(self, num_tree_requests: int) -> float:
-        """Draft forwards of a typical drafted step for this many tree requests, in seconds by
-        the draft's cost curve."""
-        rows = np.maximum(1.0, num_tree_requests * self._level_rows)
-        return float((self._level_runs * self.draft_cost(rows)).sum())
+    def predict(self, num_tree_requests: int, num_other_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, seconds), float64 [max_depth + 1] each: the model's step by depth at this load
+        (index 0: plain decoding; depth d: d draft forwards and the best node count of the cap's
+        gain curve), NaN at caps no recent step drafted to."""
+        r, base = num_tree_requests, num_tree_requests + num_other_tokens
+        tokens, seconds = np.full(self.max_depth + 1, np.nan), np.full(self.max_depth + 1, np.nan)
+        tokens[0], seconds[0] = base, self.plain_seconds(base)
+        n = np.arange(self.node_budget + 1)
+        verify_seconds = self.tree_seconds(base + r * n)
+        for depth in np.flatnonzero(self._cap_known):
+            draft_seconds = self.scale["draft"] * self.expected_draft_seconds(r, depth)
+            step_tokens = base + r * self.gain_curve(depth)
+            best = int(np.argmax(step_tokens / (draft_seconds + verify_seconds)))
+            tokens[depth], seconds[depth] = step_tokens[best], draft_seconds + verify_seconds[best]
+        return tokens, seconds
+
+    def expected_draft_seconds(self, num_tree_requests: int, depth: int) -> float:
+        """Draft forwards of a step of `depth` levels for this many tree requests (the catch-up
+        and depth - 1 expansions), in seconds by the draft's cost curve, with each level's rows
+        as recent steps had them (a level not drafted lately: as the deepest one that was)."""
+        rows = self._level_rows.copy()
+        for level in range(1, self.max_depth):
+            if not self._level_seen[level]:
+                rows[level] = rows[level - 1]
+        rows = np.maximum(1.0, num_tree_requests * rows[:depth])
+        return float(np.sum(self.draft_cost(rows)))
 
     # ---------------------------------------------------------------- while drafting
-
-    def continue_drafting(self, node_gain_desc: np.ndarray, frontier_gain: np.ndarray,
-                          num_tree_requests: int, num_other_tokens: int,
-                          draft_seconds: float, level: int) -> bool:
-        """After `level` draft levels, whether one more is worth a draft forward over the frontier.
-
-        node_gain_desc: float [K] gains of the nodes drafted so far, descending; frontier_gain:
-        float [F] gains of the frontier nodes (the parents of the next level); draft_seconds:
-        the draft's cost so far by its cost curve.
-        """
-        if frontier_gain.size == 0 or level >= self.max_depth:
-            return False
-        base = num_tree_requests + num_other_tokens
-        draft_scale = self.scale["draft"]
-        _, rate_now = best_rate(base, node_gain_desc, draft_scale * draft_seconds, self.tree_seconds)
-        scale = self.acceptance.scale()
-        depth_ratio = scale[min(level + 1, self.max_depth)] / max(scale[level], 1e-9)
-        # The next level's best nodes: each frontier node's most likely child.
-        next_gain = np.minimum(1.0, frontier_gain * self._top_child_prob * depth_ratio)
-        merged = np.sort(np.concatenate([node_gain_desc, next_gain]))[::-1]
-        next_seconds = draft_scale * (draft_seconds + self.draft_cost(frontier_gain.size))
-        _, rate_next = best_rate(base, merged, next_seconds, self.tree_seconds)
-        return rate_next > rate_now
 
     def observe_forward(self, level: int, num_rows: int, num_tree_requests: int) -> None:
         """Record a draft forward: level 0 is the catch-up, level l >= 1 expands depth-l nodes."""
         if 0 <= level < self.max_depth and num_tree_requests:
             a = self._smoothing
-            seen = self._level_runs[level] > 0
-            self._level_rows[level] = ((1 - a) * self._level_rows[level] + a * num_rows / num_tree_requests
-                                       if seen else num_rows / num_tree_requests)
-            self._ran_this_step[level] = True
-
-    def finish_draft(self) -> None:
-        """Close a drafted step: which draft forwards it ran."""
-        a = self._smoothing
-        self._level_runs = (1 - a) * self._level_runs + a * self._ran_this_step
-        self._ran_this_step[:] = False
-
-    def observe_children(self, top_child_prob: np.ndarray) -> None:
-        """Record the draft probability of the best child of each expanded node."""
-        if top_child_prob.size:
-            a = self._smoothing
-            self._top_child_prob = (1 - a) * self._top_child_prob + a * float(top_child_prob.mean())
+            per_request = num_rows / num_tree_requests
+            seen = self._level_seen[level]
+            self._level_rows[level] = (1 - a) * self._level_rows[level] + a * per_request if seen else per_request
+            self._level_seen[level] = True
 
     # ---------------------------------------------------------------- after drafting
 
     def select(self, path_prob: np.ndarray, depth: np.ndarray, num_nodes: np.ndarray,
-               num_other_tokens: int, draft_seconds: float, explore: bool = False) -> Selection:
+               num_other_tokens: int, draft_seconds: float, explore: bool = False,
+               drafted_depth: int | None = None) -> Selection:
         """Nodes to verify per request, from the candidate trees.
 
         path_prob float [B, N], depth int [B, N] of each request's candidate tree rows (rows past
@@ -317,7 +328,9 @@ class NodeBudgetPolicy:
         tree to it); nodes join in one order across the batch, by path probability, until the
         step's expected rate stops improving. draft_seconds: what the draft spent, by its curve.
         explore: the step explores (Decision.explore): every tree keeps at least its max_depth
-        best nodes, so that verifying them refreshes the acceptance estimates.
+        best nodes, so that verifying them refreshes the acceptance estimates. drafted_depth:
+        the depth the step was allowed to draft (default max_depth): the trees teach the gain
+        curves of the caps up to it.
         """
         batch, width = path_prob.shape
         real = np.arange(width)[None, :] < num_nodes[:, None]
@@ -330,136 +343,166 @@ class NodeBudgetPolicy:
         budget = np.bincount(request[:k], minlength=batch).astype(np.int64)
         if explore:
             budget = np.maximum(budget, np.minimum(num_nodes, self.max_depth)).astype(np.int64)
-        self._remember_best_nodes(path_prob, depth, key)
-        return Selection(budget, float(gain.reshape(-1)[order[:k]].sum()), rate)
+        self._remember_mass(path_prob, depth, key, self.max_depth if drafted_depth is None else drafted_depth)
+        expected = float(gain.reshape(-1)[order[:k]].sum())
+        tokens = batch + num_other_tokens + expected
+        return Selection(budget, expected, rate, tokens, tokens / rate)
 
-    def gain_curve(self) -> np.ndarray:
-        """float64 [N + 1]: expected accepted nodes of a typical request's best n nodes, from the
-        recent trees' path probs and the current calibration (no node counts for more than 1)."""
-        expected = self._best_nodes_mass @ self.acceptance.scale()
+    def gain_curve(self, depth: int | None = None) -> np.ndarray:
+        """float64 [N + 1]: expected accepted nodes of a typical request's best n nodes no deeper
+        than `depth` (default: the deepest cap known), from the recent trees' path probs and the
+        current calibration (no node counts for more than 1)."""
+        if depth is None:
+            known = np.flatnonzero(self._cap_known)
+            depth = int(known[-1]) if known.size else self.max_depth
+        expected = self._mass_by_cap[depth] @ self.acceptance.scale()
         return np.concatenate([[0.0], np.cumsum(np.minimum(1.0, np.diff(expected)))])
 
-    def _remember_best_nodes(self, path_prob: np.ndarray, depth: np.ndarray, key: np.ndarray) -> None:
-        """Smoothed mean over requests of their best n nodes' path probs, by depth."""
+    def _remember_mass(self, path_prob: np.ndarray, depth: np.ndarray, key: np.ndarray, drafted_depth: int) -> None:
+        """Fold this step's trees into the path-prob mass of the caps 1..drafted_depth (smoothed
+        means over requests of their best n nodes no deeper than the cap, by depth)."""
         batch, width = path_prob.shape
         order = np.argsort(-key, axis=1, kind="stable")
-        by_depth = np.zeros((batch, width, self.max_depth + 1))
         sorted_depth = np.clip(np.take_along_axis(depth, order, axis=1), 0, self.max_depth)
-        sorted_prob = np.take_along_axis(np.where(key >= 0, path_prob, 0.0), order, axis=1)
-        np.put_along_axis(by_depth, sorted_depth[..., None], sorted_prob[..., None], axis=2)
-        mass = np.zeros((self.node_budget + 1, self.max_depth + 1))
-        cumulative = np.cumsum(by_depth, axis=1).mean(0)[: self.node_budget]
-        mass[1: cumulative.shape[0] + 1] = cumulative
-        mass[cumulative.shape[0] + 1:] = cumulative[-1] if cumulative.shape[0] else 0.0
+        sorted_prob = np.take_along_axis(path_prob, order, axis=1)
+        real = np.take_along_axis(key, order, axis=1) >= 0
+        rows = min(width, self.node_budget)
         a = self._smoothing
-        self._best_nodes_mass = mass if self._best_nodes_mass is None else (1 - a) * self._best_nodes_mass + a * mass
-
+        self._cap_age += 1
+        self._cap_age[: drafted_depth + 1] = 0
+        for cap in range(1, min(drafted_depth, self.max_depth) + 1):
+            kept = real & (sorted_depth <= cap)
+            rank = np.cumsum(kept, axis=1)  # 1-based place of each kept node among the kept
+            by_rank = np.zeros((width + 1, self.max_depth + 1))
+            np.add.at(by_rank, (rank[kept], sorted_depth[kept]), sorted_prob[kept])
+            mass = np.cumsum(by_rank, axis=0)[: rows + 1] / batch
+            padded = np.repeat(mass[-1:], self.node_budget + 1, axis=0)
+            padded[: rows + 1] = mass
+            known = self._cap_known[cap]
+            self._mass_by_cap[cap] = (1 - a) * self._mass_by_cap[cap] + a * padded if known else padded
+            self._cap_known[cap] = True
 
 
 class WallClockReferee:
-    """Measured throughput of whole steps, speculative against plain, by load: the judge of the
-    cost model's decisions, so that speculation never loses for long and is not left unused
-    where it measures faster.
+    """Whole steps as they ran, against the cost model's prediction of them: the model, so
+    corrected, chooses each step's depth (or plain decoding), so that speculation never loses for
+    long and the depth that runs fastest on this machine is the one used.
 
-    Every step is measured as it ran, end to end (from one drafter call to the next: drafting,
-    scheduling, the target's forward, verification, bookkeeping, IPC), its tokens and seconds
-    exponentially averaged per load bucket (batch sizes 1, 2-3, 4-7, ...), the rate their ratio
-    (a per-step rate would swing with the tokens a tree happens to accept). Where speculative
-    steps measure slower than plain ones by more than `margin`, speculation is vetoed. It is
-    tried again once the plain steps since the last try have taken long enough that one more
-    losing step costs at most `explore_share` of that time, so a machine on which speculation
-    cannot pay loses at most that share to finding it out. One speculative step suffices to veto
-    speculation that measures at most half as fast as plain decoding. Where speculation wins, a
-    plain step every `plain_every` steps keeps the plain figure fresh (both slow down as
-    contexts grow).
+    Every step is measured end to end (from one drafter call to the next: drafting, scheduling,
+    the target's forward, verification, bookkeeping, IPC) and set against what the model
+    predicted for that very step (its tokens and seconds, for the nodes it verified). Per load
+    bucket (batch sizes 1, 2-3, 4-7, ...) and per arm (the depth the step was allowed to draft, 0
+    for a plain step) two corrections are learned: measured over predicted seconds, an average in
+    log space over the bucket's recent steps (an arm last run long ago counts its latest step
+    most: figures age as contexts grow and the machine drifts; an arm never run takes the nearest
+    depth's), and tokens emitted over tokens expected, sums over about `yield_window` of the
+    arm's steps (an arm with few leans on those of all drafted arms, `prior_steps` steps' worth:
+    a tree's yield swings from step to step). The next step's arm is the one whose corrected
+    prediction, made at this step's load and from the latest trees, is the fastest: what a tree
+    happens to accept swings from step to step far more than what a step costs, so arms are
+    compared on the same prediction, never on their own noisy histories.
 
-    The other way round (`insists`): the cost model's predicted speed-up of the steps that
-    drafted is averaged too; where speculation measures faster than plain, the model's
-    prediction for a step it would run plainly is corrected by measured / predicted speed-up of
-    the drafted steps, and the step drafts if the corrected figure says it pays. A model whose
-    start-up cost curves were timed in a slow moment thus cannot keep a machine on plain steps
-    while every drafted step measures faster.
+    Plain steps are measured first. Then the arms next to the best (one level shallower and
+    deeper, and plain) are tried again once the steps since their last try have taken long enough
+    that one more step of theirs costs at most `explore_share` of that time (about one step in
+    `1 / explore_share` for each): a machine on which speculation cannot pay
+    loses about that share to finding it out, and a depth that becomes better (the draft agrees
+    more, the machine gets quieter) is found again.
     """
 
-    def __init__(self, margin: float = 0.02, min_steps: int = 3, explore_share: float = 0.02,
-                 plain_every: int = 64, smoothing: float = 0.25) -> None:
-        self.margin, self.min_steps, self.explore_share = margin, min_steps, explore_share
-        self.plain_every = plain_every
-        self._smoothing = smoothing
-        # Per (bucket, speculative): tokens and seconds per step, exponentially averaged.
-        self._tokens: dict[tuple[int, bool], float] = {}
-        self._step_seconds: dict[tuple[int, bool], float] = {}
-        self._count: dict[tuple[int, bool], int] = {}
-        self._predicted: dict[int, float] = {}  # the model's predicted speed-up of drafted steps
-        self._plain_since_try: dict[int, float] = {}  # plain seconds since the last speculative try
-        self._since_plain: dict[int, int] = {}
+    def __init__(self, max_depth: int, min_steps: int = 3, explore_share: float = 0.01,
+                 smoothing: float = 0.1, prior_steps: float = 4.0, yield_window: float = 100.0) -> None:
+        self.max_depth, self.min_steps, self.explore_share = max_depth, min_steps, explore_share
+        self._smoothing, self._prior_steps = smoothing, prior_steps
+        self._yield_keep = 1.0 - 1.0 / yield_window
+        self._buckets: dict[int, _ArmStats] = {}
 
     @staticmethod
     def bucket(num_requests: int) -> int:
         return max(int(num_requests), 1).bit_length()
 
-    def observe(self, speculative: bool, num_requests: int, tokens: int, seconds: float,
-                predicted_speedup: float | None = None) -> None:
-        """One finished step: whether it verified trees, the requests in it, the tokens it
-        emitted, its wall time and, for a drafted step, the speed-up the cost model predicted
-        for it (Decision.predicted_speedup)."""
-        if seconds <= 0 or tokens <= 0:
+    def _arms(self, num_requests: int) -> _ArmStats:
+        b = self.bucket(num_requests)
+        if b not in self._buckets:
+            self._buckets[b] = _ArmStats(self.max_depth + 1)
+        return self._buckets[b]
+
+    def observe(self, depth: int, num_requests: int, tokens: float, seconds: float,
+                predicted_tokens: float, predicted_seconds: float) -> None:
+        """One finished step: the depth it was allowed to draft (0: a plain step), the requests
+        in it, the tokens it emitted, its wall time, and what the model predicted for it."""
+        if min(seconds, tokens, predicted_tokens, predicted_seconds) <= 0:
             return
-        b = self.bucket(num_requests)
-        key, a = (b, speculative), self._smoothing
-        for table, value in ((self._tokens, tokens), (self._step_seconds, seconds)):
-            table[key] = value if key not in table else (1 - a) * table[key] + a * value
-        self._count[key] = self._count.get(key, 0) + 1
-        if speculative and predicted_speedup is not None and predicted_speedup > 0:
-            before = self._predicted.get(b)
-            self._predicted[b] = predicted_speedup if before is None else (1 - a) * before + a * predicted_speedup
-        if speculative:
-            self._plain_since_try[b] = 0.0
-        else:
-            self._plain_since_try[b] = self._plain_since_try.get(b, 0.0) + seconds
+        arms = self._arms(num_requests)
+        arms.steps += 1
+        # The old figure weighs as if every bucket step since had been averaged in.
+        keep = (1 - self._smoothing) ** (arms.steps - arms.last_step[depth])
+        log_ratio = math.log(seconds / predicted_seconds)
+        seen = arms.count[depth] > 0
+        arms.log_cost[depth] = keep * arms.log_cost[depth] + (1 - keep) * log_ratio if seen else log_ratio
+        arms.count[depth] += 1
+        arms.last_step[depth] = arms.steps
+        for arm in (depth, -1) if depth > 0 else ():  # -1: all drafted arms together
+            arms.emitted[arm] = self._yield_keep * arms.emitted[arm] + tokens
+            arms.expected[arm] = self._yield_keep * arms.expected[arm] + predicted_tokens
+        arms.drafted_steps += depth > 0
+        arms.since_try += seconds
+        arms.since_try[depth] = 0.0
 
-    def rates(self, num_requests: int) -> tuple[float | None, float | None]:
-        """(plain, speculative) tokens/s measured at this load, None where not measured yet."""
-        b = self.bucket(num_requests)
-        return tuple(self._tokens[key] / self._step_seconds[key] if key in self._tokens else None
-                     for key in ((b, False), (b, True)))
+    def corrected(self, num_requests: int, tokens: np.ndarray, seconds: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, seconds) [max_depth + 1]: the model's prediction by arm, corrected."""
+        arms = self._arms(num_requests)
+        log_cost = arms.log_cost.copy()
+        measured = np.flatnonzero(arms.count[1:] > 0) + 1
+        for depth in range(1, self.max_depth + 1):
+            if arms.count[depth] == 0:
+                log_cost[depth] = (arms.log_cost[measured[np.argmin(np.abs(measured - depth))]]
+                                   if measured.size else 0.0)
+        pool_yield = arms.emitted[-1] / arms.expected[-1] if arms.expected[-1] > 0 else 1.0
+        typical = arms.expected[-1] / arms.drafted_steps if arms.drafted_steps else 1.0
+        prior_tokens = self._prior_steps * typical
+        yield_ratio = (arms.emitted[:-1] + prior_tokens * pool_yield) / (arms.expected[:-1] + prior_tokens)
+        yield_ratio[0] = 1.0  # a plain step emits one token per request, as predicted
+        return tokens * yield_ratio, seconds * np.exp(log_cost)
 
-    def allows(self, num_requests: int) -> tuple[bool, str]:
-        """Whether this step may speculate, and why (for the log)."""
-        b = self.bucket(num_requests)
-        plain, spec = self.rates(num_requests)
-        if plain is None or self._count[(b, False)] < self.min_steps:
-            return False, "measuring plain steps first"
-        clearly_slower = spec is not None and spec < 0.5 * plain
-        if spec is None or (self._count[(b, True)] < self.min_steps and not clearly_slower):
-            return True, "measuring speculative steps"
-        figures = f"measured {spec:.2f} tokens/s speculating against {plain:.2f} plain"
-        if spec >= plain * (1 - self.margin):
-            since = self._since_plain.get(b, 0) + 1
-            if since >= self.plain_every:  # refresh the plain figure now and then
-                self._since_plain[b] = 0
-                return False, f"{figures}: refreshing plain"
-            self._since_plain[b] = since
-            return True, figures
-        # A losing try costs its step time minus what plain steps emit in it.
-        spec_seconds = self._step_seconds[(b, True)]
-        excess = spec_seconds * (1.0 - spec / plain)
-        if self._plain_since_try.get(b, 0.0) * self.explore_share < excess:
-            return False, f"{figures}: vetoed"
-        return True, f"{figures}: trying again"
+    def plain_measured(self, num_requests: int) -> bool:
+        return bool(self._arms(num_requests).count[0] >= self.min_steps)
 
-    def insists(self, num_requests: int, predicted_speedup: float) -> tuple[bool, str]:
-        """Whether a step the cost model would run plainly (predicting `predicted_speedup` < 1
-        for its best tree) should draft after all, the model corrected by what drafted steps
-        measured (see the class docstring); and why. Then `allows` still has its say."""
-        b = self.bucket(num_requests)
-        plain, spec = self.rates(num_requests)
-        predicted = self._predicted.get(b)
-        if (plain is None or spec is None or predicted is None
-                or min(self._count[(b, False)], self._count[(b, True)]) < self.min_steps):
-            return False, "not measured"
-        measured = spec / plain
-        corrected = predicted_speedup * measured / predicted
-        figures = (f"drafted steps measured {measured:.2f}x plain where the model predicted "
-                   f"{predicted:.2f}x; this one corrected to {corrected:.2f}x")
-        return measured > 1 + self.margin and corrected > 1 + self.margin, figures
+    def choose(self, num_requests: int, tokens: np.ndarray, seconds: np.ndarray) -> tuple[int, str]:
+        """The arm of the next step (0: plain; d: draft at most d levels) and why (for the log),
+        from the model's prediction by arm at this step's load (Decision.tokens / .seconds)."""
+        arms = self._arms(num_requests)
+        if arms.count[0] < self.min_steps:
+            return 0, "measuring plain steps first"
+        tokens, seconds = self.corrected(num_requests, tokens, seconds)
+        rates = tokens / seconds
+        best = int(np.nanargmax(rates))
+        figures = "corrected " + ", ".join(
+            f"{'plain' if d == 0 else f'depth {d}'} {rates[d]:.2f}" for d in np.flatnonzero(~np.isnan(rates))
+        ) + " tokens/s"
+        for depth in dict.fromkeys((0, best - 1, best + 1)):
+            if depth == best or not 0 <= depth <= self.max_depth or np.isnan(rates[depth]):
+                continue
+            # One more step of this arm costs at most explore_share of the time since its last.
+            if arms.since_try[depth] * self.explore_share >= seconds[depth]:
+                return depth, f"{figures}: trying {'plain' if depth == 0 else f'depth {depth}'} again"
+        return best, figures
+
+
+@dataclass
+class _ArmStats:
+    """One load bucket's steps, per arm (index = depth drafted, 0 = plain; yields: -1 = all
+    drafted arms)."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        self.log_cost = np.zeros(self.size)  # measured / predicted seconds, log, averaged
+        self.count = np.zeros(self.size, dtype=np.int64)
+        self.last_step = np.zeros(self.size, dtype=np.int64)  # bucket step of the arm's last
+        self.steps = 0  # steps of the bucket
+        self.drafted_steps = 0
+        self.emitted = np.zeros(self.size + 1)  # tokens emitted, summed over a long window
+        self.expected = np.zeros(self.size + 1)  # tokens the model expected of those steps
+        self.since_try = np.zeros(self.size)  # seconds of steps since the arm last ran
