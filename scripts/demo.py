@@ -8,7 +8,7 @@ draft_model chain (K=4), and GSD as configured by default (24 nodes, load-adapti
 Prints GSD's text, then per method tokens/s and mean acceptance length, and what GSD measured
 a plain and a speculative decode step to cost on this machine.
 
-    .venv/bin/python scripts/demo.py [--pair qwen|smollm] [--max-tokens 96] [--num-prompts 4]
+    .venv/bin/python scripts/demo.py [--pair qwen|smollm] [--max-tokens 64] [--num-prompts 3]
                                      [--eager] [--verbose]
 """
 
@@ -54,7 +54,9 @@ def run(method: str, target: str, spec: dict | None, prompts: list[str], max_tok
     from vllm_gsd.engine.metrics import gsd_stats
     from vllm_gsd.testing.engines import mean_acceptance_length_of
 
-    say(f"starting vLLM with {method} ...", end="\n" if verbose else "")
+    # vLLM caches compiled models per configuration: only a configuration's first start compiles.
+    compiles = "" if eager else " (its first start compiles the model: minutes on a small CPU)"
+    say(f"starting vLLM with {method}{compiles} ...", end="\n" if verbose else "")
     start = time.perf_counter()
     llm = LLM(model=target, dtype="bfloat16", max_model_len=2048, seed=0, speculative_config=spec,
               **({"enforce_eager": True} if eager else {}),
@@ -169,8 +171,9 @@ def speculation_notes(results: list[dict], gsd: dict | None) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="qwen", choices=["qwen", "smollm"])
-    parser.add_argument("--max-tokens", type=int, default=96, help="new tokens per answer")
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts (half HumanEval, half MT-Bench)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer")
+    parser.add_argument("--num-prompts", type=int, default=3,
+                        help="prompts (half HumanEval, rounded up, the rest MT-Bench)")
     parser.add_argument("--eager", action="store_true", help="run vLLM with enforce_eager (no compilation)")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' logs and bars")
     return parser.parse_args(argv)

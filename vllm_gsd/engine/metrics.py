@@ -10,7 +10,8 @@ worker knows is counted here, per worker process:
 * `gsd_paths_through_merge`: verified trees whose accepted path used a merged node;
 * the adaptive node budget's choices: `gsd_steps_speculated` (steps that drafted), and
   `gsd_steps_not_speculated` (steps with tree candidates that it ran as plain decoding; of
-  them `gsd_steps_vetoed` by the wall-clock referee, speculation having measured slower),
+  them `gsd_steps_vetoed` where the cost model predicted a gain and the wall-clock referee,
+  correcting it with measured step times, found plain decoding faster),
   `gsd_levels_drafted` (draft forwards, catch-up included), `gsd_nodes_offered` (tree nodes
   drafted) and `gsd_nodes_proposed` (the nodes it chose to verify);
 * whole decode steps as they ran (the referee's figures): `gsd_speculative_step_us` /
@@ -53,7 +54,7 @@ class GsdStats:
     draft_tokens_computed: int = 0
     steps_speculated: int = 0
     steps_not_speculated: int = 0
-    steps_vetoed: int = 0  # of which the referee vetoed: speculation measured slower than plain
+    steps_vetoed: int = 0  # of which the model would draft but the measured step times say plain
     speculative_step_us: int = 0  # whole steps (decodes only) that verified trees: wall time
     speculative_step_tokens: int = 0  # and the tokens they emitted
     plain_step_us: int = 0  # whole steps (decodes only) without trees

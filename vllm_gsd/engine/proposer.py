@@ -10,9 +10,9 @@ kept in `self.trees[req_id]` for the next step's verification (engine/runner_hoo
 
 One step, for the requests that may grow a tree (engine/eligibility.py, not finishing, and room
 for the tree before the target's and the draft's context limits and in the allocated blocks):
-0. Policy (adaptive node budget, vllm_gsd.graph.budget): at this load, is drafting expected to
-   beat plain decoding, and do the whole steps measured so far agree (WallClockReferee)? If
-   not, nothing runs on the draft this step.
+0. Policy (adaptive node budget, vllm_gsd.graph.budget): at this load, which depth (or plain
+   decoding) is expected to emit the most tokens per second, corrected by whole steps as they
+   measured (WallClockReferee)? If plain, nothing runs on the draft this step.
 1. Catch-up: the draft runs causally over every token it has not seen yet, up to and including
    the new root (the last sampled token), at their real positions, writing its own KV. That is
    usually the tokens the target committed this step, but after steps without drafting (high
@@ -25,7 +25,7 @@ for the tree before the target's and the draft's context limits and in the alloc
    KV position root_pos + g, rotated at root_pos + depth(g), and attends to the context plus its
    primary ancestors (graph mask). Children are the draft's top-k (greedy requests) or its
    Gumbel-top-k under the request's own sampling and noise (sampled requests, engine/sampling.py).
-   The policy stops early when another level is not worth its cost.
+   It stops at the depth the policy chose for the step.
 3. The graph is unrolled into the verification tree; the policy keeps each request's most likely
    nodes, as many as maximize the batch's expected tokens per second.
 Everything here is deterministic given the batch (the cost curves are shared by all ranks), so
@@ -183,11 +183,15 @@ class GsdProposer(DraftModelProposer):
         self._step_depth, self._drafted_partially, self._step_prediction = 0, False, (0.0, 0.0)
         speculative = bool(scheduler_output.scheduled_spec_decode_tokens)
         # A prefill would skew the rate, and a step that drafted for some of its requests only
-        # (exploring) measures neither plain nor speculative decoding.
+        # (exploring) measures neither plain nor speculative decoding. The draft's catch-up on
+        # tokens decoded plainly is left out of both the measured and the predicted seconds (it
+        # is the plain streak's, not the depth's; a quarter of each is kept at least, in case the
+        # draft's curve overrates it).
         if self.referee is not None and _all_decodes(scheduler_output) and not partially:
             tokens = sum(len(t) for t in valid_sampled_token_ids)
-            arm_seconds = max(step_seconds - excess, 0.5 * step_seconds)
-            self.referee.observe(depth, len(valid_sampled_token_ids), tokens, arm_seconds, *predicted)
+            self.referee.observe(depth, len(valid_sampled_token_ids), tokens,
+                                 max(step_seconds - excess, 0.25 * step_seconds),
+                                 predicted[0], max(predicted[1] - excess, 0.25 * predicted[1]))
             us = int(step_seconds * 1e6)
             if speculative:
                 stats.speculative_step_us, stats.speculative_step_tokens = us, tokens
@@ -652,3 +656,4 @@ def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:
         used += size
     groups.append(np.arange(first, len(sizes)))
     return groups
+

