@@ -124,6 +124,7 @@ class GsdProposer(DraftModelProposer):
         # referee measures it under, and whether it drafted for only some of its tree requests
         # (exploring: measured as no arm).
         self._step_depth = 0
+        self._drafted_before = False  # whether a step of this process has drafted
         self._drafted_partially = False
         self._step_prediction = (0.0, 0.0)  # the model's (tokens, seconds) of it
         # Its draft's catch-up on tokens decoded plainly before it, in seconds by the draft's
@@ -187,7 +188,10 @@ class GsdProposer(DraftModelProposer):
         # tokens decoded plainly is left out of both the measured and the predicted seconds (it
         # is the plain streak's, not the depth's; a quarter of each is kept at least, in case the
         # draft's curve overrates it).
-        if self.referee is not None and _all_decodes(scheduler_output) and not partially:
+        # The process's first drafted step pays one-time costs (numba's cache loads, the first
+        # calls of the tree path): it measures no arm.
+        first_draft, self._drafted_before = depth > 0 and not self._drafted_before, self._drafted_before or depth > 0
+        if self.referee is not None and _all_decodes(scheduler_output) and not partially and not first_draft:
             tokens = sum(len(t) for t in valid_sampled_token_ids)
             self.referee.observe(depth, len(valid_sampled_token_ids), tokens,
                                  max(step_seconds - excess, 0.25 * step_seconds),
