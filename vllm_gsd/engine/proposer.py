@@ -190,7 +190,8 @@ class GsdProposer(DraftModelProposer):
         # draft's curve overrates it).
         # The process's first drafted step pays one-time costs (numba's cache loads, the first
         # calls of the tree path): it measures no arm.
-        first_draft, self._drafted_before = depth > 0 and not self._drafted_before, self._drafted_before or depth > 0
+        first_draft = depth > 0 and not self._drafted_before
+        self._drafted_before |= depth > 0
         if self.referee is not None and _all_decodes(scheduler_output) and not partially and not first_draft:
             tokens = sum(len(t) for t in valid_sampled_token_ids)
             self.referee.observe(depth, len(valid_sampled_token_ids), tokens,
