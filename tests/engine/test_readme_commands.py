@@ -99,8 +99,10 @@ def test_vllm_serve_as_the_readme_writes_it(engines, tiny_models, tmp_path):
     # vLLM's default mode: compiled, with the profile / warm-up run, and the tree path served.
     assert "Warming up model for the compilation" in log_text
     assert "[draft_model]" in log_text  # the draft is compiled and warmed in the same run
-    assert metrics["vllm:spec_decode_num_drafts_total"] > 0
-    assert metrics["vllm:gsd_trees_verified_total"] > 0
+    # If no tree was verified, the cost curves and the adaptive budget's lines say why.
+    why = "\n".join(line for line in log_text.splitlines() if "gsd" in line and "Route" not in line)[-6000:]
+    assert metrics["vllm:spec_decode_num_drafts_total"] > 0, why
+    assert metrics["vllm:gsd_trees_verified_total"] > 0, why
 
 
 def test_llm_as_the_readme_writes_it(engines, tiny_models):

@@ -231,7 +231,8 @@ class GsdProposer(DraftModelProposer):
             return drafts
         depth, explore = self.graph_params.max_depth, False
         if self.policy is not None:
-            depth, explore, why = self._decide(len(req_ids), len(candidates), num_plain, stats)
+            depth, explore, why = self._decide(len(req_ids), len(candidates), num_plain, stats,
+                                               self._catch_up_excess(candidates, valid_sampled_token_ids))
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, f"draft {depth} levels" if depth else "plain step", why)
             if not depth:
@@ -249,10 +250,7 @@ class GsdProposer(DraftModelProposer):
         started, self._curve_seconds = time.perf_counter(), 0.0
         root_logits = self._catch_up(runner, candidates, stats)
         if self.referee is not None:
-            behind = [c.root_pos + 1 - c.catch_up_from for c in candidates]
-            steady = [min(b, len(valid_sampled_token_ids[c.batch_row])) for b, c in zip(behind, candidates)]
-            self._step_catch_up_excess = self.policy.scale["draft"] * float(
-                self.policy.draft_cost(sum(behind)) - self.policy.draft_cost(sum(steady)))
+            self._step_catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
         tree = self._grow(runner, candidates, root_logits, num_plain, stats, depth, explore)
         num_nodes = tree.num_nodes.tolist()
         for b, candidate in enumerate(candidates):
@@ -281,8 +279,18 @@ class GsdProposer(DraftModelProposer):
         self._record(stats)
         return drafts
 
-    def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats
-                ) -> tuple[int, bool, str]:
+    def _catch_up_excess(self, candidates: list[_Candidate], valid_sampled_token_ids) -> float:
+        """Seconds (by the draft's curve and scale) the draft's catch-up spends on tokens the
+        target decoded plainly, beyond what a step right after a drafted one catches up."""
+        if self.policy is None:
+            return 0.0
+        behind = [c.root_pos + 1 - c.catch_up_from for c in candidates]
+        steady = [min(b, len(valid_sampled_token_ids[c.batch_row])) for b, c in zip(behind, candidates)]
+        return self.policy.scale["draft"] * float(self.policy.draft_cost(sum(behind))
+                                                  - self.policy.draft_cost(sum(steady)))
+
+    def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats,
+                catch_up_seconds: float) -> tuple[int, bool, str]:
         """(depth, explore, why): the adaptive budget's answer for this step. The cost model
         proposes a depth, or plain decoding (with curves the user gave, now and then a few
         exploring trees to refresh its estimates); where whole steps are measured, the referee
@@ -295,7 +303,7 @@ class GsdProposer(DraftModelProposer):
             depth, why = (decision.depth, "") if self.referee.plain_measured(num_requests) else (
                 0, "measuring plain steps first")
         else:
-            depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds)
+            depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds, catch_up_seconds)
         if decision and not decision.explore and not depth:
             stats.steps_vetoed += 1
         if not depth:

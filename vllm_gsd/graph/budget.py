@@ -38,9 +38,12 @@ import numpy as np
 class CostCurve:
     """Seconds of one forward as a function of its query tokens.
 
-    Piecewise linear through the measured points (made non-decreasing, so measurement noise
-    cannot make more work look cheaper), flat below the first point, extended beyond the last
-    point with the slope of the last segment.
+    Piecewise linear through the measured points, flat below the first point, extended beyond
+    the last point with the slope of the last segment. More work never costs less: a point
+    slower than a larger forward is lowered to that forward's time. A timer's noise is upward
+    (an interrupt, another process), so a spike is what a point slower than a larger forward is,
+    and raising every later point to it instead would make one spike at 2 tokens price every
+    tree as if it cost twice a plain step.
     """
 
     tokens: tuple[int, ...]
@@ -53,7 +56,8 @@ class CostCurve:
             raise ValueError(f"cost curve token counts must be increasing and >= 1, got {self.tokens}")
         if any(not np.isfinite(s) or s <= 0 for s in self.seconds):
             raise ValueError(f"cost curve times must be positive, got {self.seconds}")
-        object.__setattr__(self, "seconds", tuple(float(s) for s in np.maximum.accumulate(self.seconds)))
+        suffix_min = np.minimum.accumulate(np.asarray(self.seconds, dtype=np.float64)[::-1])[::-1]
+        object.__setattr__(self, "seconds", tuple(float(s) for s in suffix_min))
 
     @classmethod
     def from_points(cls, points) -> CostCurve:
@@ -394,7 +398,10 @@ class WallClockReferee:
     bucket (batch sizes 1, 2-3, 4-7, ...) and per arm (the depth the step was allowed to draft, 0
     for a plain step) measured over predicted seconds is learned, an average in log space over
     the bucket's recent steps (an arm last run long ago counts its latest step most: figures age
-    as contexts grow and the machine drifts; an arm never run takes the nearest depth's); and
+    as contexts grow and the machine drifts; an arm never run takes the nearest depth's, and in
+    a bucket that has drafted no step yet, the nearest lighter bucket's: speculation pays less
+    as the load grows, so a depth that lost at a lighter load is not tried blindly at a heavier
+    one, while a lighter load is judged afresh); and
     for all drafted arms together, tokens emitted over tokens expected, sums over about
     `yield_window` drafted steps (leaning on 1, `prior_steps` steps' worth). Tokens are not
     corrected per arm: a tree's yield swings from step to step, the model calibrates them per
@@ -411,7 +418,9 @@ class WallClockReferee:
     rate (a draft that cannot pay is not walked). Then the arms next to the best
     (one level shallower and deeper, and plain) are tried again once the steps since their last
     try have taken long enough that one more step of theirs costs at most `explore_share` of
-    that time (about one step in `1 / explore_share` for each): a machine on which speculation
+    that time (about one step in `1 / explore_share` for each; a drafted try also pays the
+    draft's catch-up on the tokens decoded plainly since, which at a heavy load can cost more
+    than the step itself, so that is counted in): a machine on which speculation
     cannot pay loses about that share to finding it out, and a depth that becomes better (the
     draft agrees more, the machine gets quieter) is found again.
     """
@@ -462,11 +471,12 @@ class WallClockReferee:
         """(tokens, seconds) [max_depth + 1]: the model's prediction by arm, corrected."""
         arms = self._arms(num_requests)
         log_cost = arms.log_cost.copy()
-        measured = np.flatnonzero(arms.count[1:] > 0) + 1
-        for depth in range(1, self.max_depth + 1):
-            if arms.count[depth] == 0:
-                log_cost[depth] = (arms.log_cost[measured[np.argmin(np.abs(measured - depth))]]
-                                   if measured.size else 0.0)
+        log_cost[1:] = self._drafted_log_cost(arms)
+        if arms.drafted_steps == 0:
+            lighter = [b for b in self._buckets if b < self.bucket(num_requests)
+                       and self._buckets[b].drafted_steps > 0]
+            if lighter:
+                log_cost[1:] = self._drafted_log_cost(self._buckets[max(lighter)])
         # One yield for every depth: the model's tokens by depth are calibrated per depth
         # already (AcceptanceModel); what is left is its recent bias, and an arm's own history
         # would be measured against predictions the model has since corrected.
@@ -476,12 +486,25 @@ class WallClockReferee:
         yield_ratio[0] = 1.0  # a plain step emits one token per request, as predicted
         return tokens * yield_ratio, seconds * np.exp(log_cost)
 
+    @staticmethod
+    def _drafted_log_cost(arms: _ArmStats) -> np.ndarray:
+        """float64 [max_depth]: a bucket's log measured/predicted seconds of depths 1.., a depth
+        never run there taking the nearest measured depth's (0 where none was)."""
+        log_cost = arms.log_cost[1:].copy()
+        measured = np.flatnonzero(arms.count[1:] > 0)
+        for depth in np.flatnonzero(arms.count[1:] == 0):
+            log_cost[depth] = log_cost[measured[np.argmin(np.abs(measured - depth))]] if measured.size else 0.0
+        return log_cost
+
     def plain_measured(self, num_requests: int) -> bool:
         return bool(self._arms(num_requests).count[0] >= self.min_steps)
 
-    def choose(self, num_requests: int, tokens: np.ndarray, seconds: np.ndarray) -> tuple[int, str]:
+    def choose(self, num_requests: int, tokens: np.ndarray, seconds: np.ndarray,
+               catch_up_seconds: float = 0.0) -> tuple[int, str]:
         """The arm of the next step (0: plain; d: draft at most d levels) and why (for the log),
-        from the model's prediction by arm at this step's load (Decision.tokens / .seconds)."""
+        from the model's prediction by arm at this step's load (Decision.tokens / .seconds).
+        catch_up_seconds: what the draft would spend now catching up on tokens decoded plainly
+        (left out of `seconds`, it is no depth's cost, but a drafted try pays it)."""
         arms = self._arms(num_requests)
         if arms.count[0] < self.min_steps:
             return 0, "measuring plain steps first"
@@ -505,7 +528,8 @@ class WallClockReferee:
                 continue
             name = "plain" if depth == 0 else f"depth {depth}"
             # One more step of this arm costs at most explore_share of the time since its last.
-            if arms.since_try[depth] * self.explore_share >= seconds[depth]:
+            try_seconds = seconds[depth] + (catch_up_seconds if depth else 0.0)
+            if arms.since_try[depth] * self.explore_share >= try_seconds:
                 return depth, f"{figures}: trying {name} again"
         return best, figures
 
