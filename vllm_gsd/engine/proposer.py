@@ -230,9 +230,10 @@ class GsdProposer(DraftModelProposer):
             self._record(stats)
             return drafts
         depth, explore = self.graph_params.max_depth, False
+        # With a referee no step explores, so these candidates are the ones that draft.
+        catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
         if self.policy is not None:
-            depth, explore, why = self._decide(len(req_ids), len(candidates), num_plain, stats,
-                                               self._catch_up_excess(candidates, valid_sampled_token_ids))
+            depth, explore, why = self._decide(len(req_ids), len(candidates), num_plain, stats, catch_up_excess)
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, f"draft {depth} levels" if depth else "plain step", why)
             if not depth:
@@ -250,7 +251,7 @@ class GsdProposer(DraftModelProposer):
         started, self._curve_seconds = time.perf_counter(), 0.0
         root_logits = self._catch_up(runner, candidates, stats)
         if self.referee is not None:
-            self._step_catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
+            self._step_catch_up_excess = catch_up_excess
         tree = self._grow(runner, candidates, root_logits, num_plain, stats, depth, explore)
         num_nodes = tree.num_nodes.tolist()
         for b, candidate in enumerate(candidates):
@@ -669,4 +670,3 @@ def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:
         used += size
     groups.append(np.arange(first, len(sizes)))
     return groups
-
