@@ -422,3 +422,25 @@ def test_referee_corrects_cost_per_arm_and_yield_for_all_drafted_arms():
         referee.observe(1, 1, 3.0, 0.4, 3.0, 0.2)
     tokens, _ = referee.corrected(1, np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25]))
     assert tokens[2] == pytest.approx(4.0, rel=0.05)
+
+def test_referee_measures_drafting_before_judging_it_on_the_models_first_trees():
+    """The model, from its first trees, rates drafting at 0.6x plain; the machine runs it at 1.4x.
+    Drafting is measured at once (min_steps steps), found faster, and kept for the run."""
+    truth = {d: (3.0, 0.21) for d in range(1, 5)}
+    model = {d: (3.0, 0.5) for d in range(1, 5)}
+    for seed in range(6):
+        arms, seconds, plain_seconds = _World(0.1, truth, model, seed=seed).run(_referee(), 60)
+        assert arms[0] <= 6, (seed, arms)
+        assert seconds <= 0.85 * plain_seconds, (seed, arms)
+
+
+def test_referee_averages_an_arms_first_steps_evenly():
+    """A first drafted step four times slower than the next ones (a one-time cost) weighs as one
+    step of three, not as most of the arm's figure."""
+    referee = _referee(max_depth=1)
+    for _ in range(3):
+        referee.observe(0, 1, 1.0, 0.1, 1.0, 0.1)
+    for took in (0.8, 0.2, 0.2):
+        referee.observe(1, 1, 3.0, took, 3.0, 0.2)
+    _, seconds = referee.corrected(1, np.array([1.0, 3.0]), np.array([0.1, 0.2]))
+    assert seconds[1] == pytest.approx(0.2 * 4 ** (1 / 3), rel=0.01)

@@ -197,6 +197,9 @@ class GsdProposer(DraftModelProposer):
             self.referee.observe(depth, len(valid_sampled_token_ids), tokens,
                                  max(step_seconds - excess, 0.25 * step_seconds),
                                  predicted[0], max(predicted[1] - excess, 0.25 * predicted[1]))
+            logger.debug("gsd: step of depth %d measured: %d tokens in %.3f s (catch-up on the plain "
+                         "streak %.3f s); the model expected %.2f tokens in %.3f s", depth, tokens,
+                         step_seconds, excess, predicted[0], predicted[1])
             us = int(step_seconds * 1e6)
             if speculative:
                 stats.speculative_step_us, stats.speculative_step_tokens = us, tokens

@@ -412,10 +412,12 @@ class WallClockReferee:
     happens to accept swings from step to step far more than what a step costs, so arms are
     compared on the same prediction, never on their own noisy histories.
 
-    Plain steps are measured first. Then the depths next to the best measured depth are measured
-    `min_steps` times each, at once (so a depth the model misjudges is left within a few steps,
-    level by level, even in a short run), unless drafting runs below `walk_share` of the plain
-    rate (a draft that cannot pay is not walked). Then the arms next to the best
+    Plain steps are measured first. Then the best drafted depth and the depths next to it are
+    measured `min_steps` times each, at once (so drafting is judged on steps of its own, not on
+    the model's first trees, and a depth the model misjudges is left within a few steps, level by
+    level, even in a short run), unless drafting runs below `walk_share` of the plain rate (a
+    draft that cannot pay is not walked) or the load has drafted no step yet and starts from a
+    lighter load's measurement. Then the arms next to the best
     (one level shallower and deeper, and plain) are tried again once the steps since their last
     try have taken long enough that one more step of theirs costs at most `explore_share` of
     that time (about one step in `1 / explore_share` for each; a drafted try also pays the
@@ -452,8 +454,11 @@ class WallClockReferee:
             return
         arms = self._arms(num_requests)
         arms.steps += 1
-        # The old figure weighs as if every bucket step since had been averaged in.
-        keep = (1 - self._smoothing) ** (arms.steps - arms.last_step[depth])
+        # The old figure weighs as if every bucket step since had been averaged in, and an arm's
+        # first steps are averaged evenly (a first step, often an outlier, would otherwise
+        # outweigh the next ones for as long as the arm runs).
+        count = arms.count[depth]
+        keep = min((1 - self._smoothing) ** (arms.steps - arms.last_step[depth]), count / (count + 1))
         log_ratio = math.log(seconds / predicted_seconds)
         seen = arms.count[depth] > 0
         arms.log_cost[depth] = keep * arms.log_cost[depth] + (1 - keep) * log_ratio if seen else log_ratio
@@ -471,12 +476,8 @@ class WallClockReferee:
         """(tokens, seconds) [max_depth + 1]: the model's prediction by arm, corrected."""
         arms = self._arms(num_requests)
         log_cost = arms.log_cost.copy()
-        log_cost[1:] = self._drafted_log_cost(arms)
-        if arms.drafted_steps == 0:
-            lighter = [b for b in self._buckets if b < self.bucket(num_requests)
-                       and self._buckets[b].drafted_steps > 0]
-            if lighter:
-                log_cost[1:] = self._drafted_log_cost(self._buckets[max(lighter)])
+        lender = self._borrows(num_requests)
+        log_cost[1:] = self._drafted_log_cost(arms if lender is None else self._buckets[lender])
         # One yield for every depth: the model's tokens by depth are calibrated per depth
         # already (AcceptanceModel); what is left is its recent bias, and an arm's own history
         # would be measured against predictions the model has since corrected.
@@ -485,6 +486,15 @@ class WallClockReferee:
         yield_ratio = np.full(tokens.shape, (arms.emitted + prior_tokens) / (arms.expected + prior_tokens))
         yield_ratio[0] = 1.0  # a plain step emits one token per request, as predicted
         return tokens * yield_ratio, seconds * np.exp(log_cost)
+
+    def _borrows(self, num_requests: int) -> int | None:
+        """The bucket whose drafted steps this load's drafted arms start from: the nearest lighter
+        one that drafted, while this one has drafted no step (None: its own)."""
+        if self._arms(num_requests).drafted_steps > 0:
+            return None
+        lighter = [b for b, arms in self._buckets.items()
+                   if b < self.bucket(num_requests) and arms.drafted_steps > 0]
+        return max(lighter) if lighter else None
 
     @staticmethod
     def _drafted_log_cost(arms: _ArmStats) -> np.ndarray:
@@ -514,13 +524,15 @@ class WallClockReferee:
         figures = "corrected " + ", ".join(
             f"{'plain' if d == 0 else f'depth {d}'} {rates[d]:.2f}" for d in np.flatnonzero(~np.isnan(rates))
         ) + " tokens/s"
-        # The depths next to the best measured depth are measured at once, min_steps steps each:
-        # a depth the model misjudges is left within a few steps (a walk from depth to depth),
-        # not a few hundred. Unless drafting is far behind plain steps: then it is only tried
-        # again at the bounded cost below.
+        # The best drafted depth and the depths next to it are measured at once, min_steps steps
+        # each: a depth is judged on steps of its own, not on the model's first trees or on one
+        # step, and a depth the model misjudges is left within a few steps (a walk from depth to
+        # depth), not a few hundred. Unless drafting is far behind plain steps, or this load has
+        # drafted no step and starts from a lighter load's measurement: then drafting is only
+        # tried again at the bounded cost below.
         drafted = 1 + int(np.nanargmax(rates[1:])) if not np.isnan(rates[1:]).all() else 0
-        if drafted and arms.count[drafted] > 0 and rates[drafted] >= self.walk_share * rates[0]:
-            for depth in (drafted - 1, drafted + 1):
+        if drafted and self._borrows(num_requests) is None and rates[drafted] >= self.walk_share * rates[0]:
+            for depth in (drafted, drafted - 1, drafted + 1):
                 if 1 <= depth <= self.max_depth and not np.isnan(rates[depth]) and arms.count[depth] < self.min_steps:
                     return depth, f"{figures}: measuring depth {depth}"
         for depth in dict.fromkeys((0, best - 1, best + 1)):
