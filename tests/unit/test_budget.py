@@ -444,3 +444,17 @@ def test_referee_averages_an_arms_first_steps_evenly():
         referee.observe(1, 1, 3.0, took, 3.0, 0.2)
     _, seconds = referee.corrected(1, np.array([1.0, 3.0]), np.array([0.1, 0.2]))
     assert seconds[1] == pytest.approx(0.2 * 4 ** (1 / 3), rel=0.01)
+
+
+def test_referee_does_not_walk_a_load_whose_catch_up_costs_more_than_the_walk():
+    """Eight requests fresh from their prompts: the draft would first catch up on every prompt
+    (here 4 s, against 0.5 s a drafted step). The model rates drafting 0.6x plain: drafting is
+    left to the bounded retries, which count the catch-up, not walked at once."""
+    referee, world = _referee(), _World(0.1, {d: (3.0, 0.5) for d in range(1, 5)}, {d: (3.0, 0.5) for d in range(1, 5)})
+    arms = collections.Counter()
+    for _ in range(60):
+        tokens, predicted = world.prediction()
+        depth, _ = referee.choose(8, tokens, predicted, catch_up_seconds=4.0)
+        arms[depth] += 1
+        referee.observe(depth, 8, 1.0 if depth == 0 else 3.0, 0.1 if depth == 0 else 0.5, tokens[depth], predicted[depth])
+    assert arms[0] == 60, arms

@@ -236,19 +236,20 @@ class GsdProposer(DraftModelProposer):
         # With a referee no step explores, so these candidates are the ones that draft.
         catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
         if self.policy is not None:
-            depth, explore, why = self._decide(len(req_ids), len(candidates), num_plain, stats, catch_up_excess)
+            depth, explorers, why = self._decide(len(req_ids), len(candidates), num_plain, stats, catch_up_excess)
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, f"draft {depth} levels" if depth else "plain step", why)
             if not depth:
                 stats.steps_not_speculated += 1
                 self._record(stats)
                 return drafts
-            if explore and self.policy.explore_requests < len(candidates):
+            explore = explorers is not None
+            if explore and explorers < len(candidates):
                 self._drafted_partially = True
                 # The least behind: their catch-up is the shortest (then back in batch order).
                 least_behind = sorted(candidates, key=lambda c: c.root_pos - c.catch_up_from)
-                num_plain += len(candidates) - self.policy.explore_requests
-                candidates = sorted(least_behind[:self.policy.explore_requests], key=lambda c: c.batch_row)
+                num_plain += len(candidates) - explorers
+                candidates = sorted(least_behind[:explorers], key=lambda c: c.batch_row)
             self._step_depth = depth
 
         started, self._curve_seconds = time.perf_counter(), 0.0
@@ -294,26 +295,29 @@ class GsdProposer(DraftModelProposer):
                                                   - self.policy.draft_cost(sum(steady)))
 
     def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats,
-                catch_up_seconds: float) -> tuple[int, bool, str]:
-        """(depth, explore, why): the adaptive budget's answer for this step. The cost model
-        proposes a depth, or plain decoding (with curves the user gave, now and then a few
-        exploring trees to refresh its estimates); where whole steps are measured, the referee
-        picks the arm that measures fastest (the model's depth while that is not measured yet)
-        and does the exploring itself, at a bounded cost."""
+                catch_up_seconds: float) -> tuple[int, int | None, str]:
+        """(depth, explorers, why): the adaptive budget's answer for this step; explorers: the
+        step drafts for only this many of its tree requests (None: all). The cost model proposes
+        a depth, or plain decoding (its first tree, and with curves the user gave now and then a
+        few exploring trees to refresh its estimates); where whole steps are measured, the
+        referee picks the arm that measures fastest (the model's depth while that is not
+        measured yet) and does the exploring itself, at a bounded cost."""
         decision = self.policy.should_draft(num_candidates, num_plain)
+        explorers = decision.num_requests if decision.explore else None
         if self.referee is None:
-            return (decision.depth if decision else 0), decision.explore, decision.why
-        if decision.tokens is None:  # nothing to predict from yet: the model's first trees
+            return (decision.depth if decision else 0), explorers, decision.why
+        if decision.tokens is None:  # nothing to predict from yet: the model's first tree
             depth, why = (decision.depth, "") if self.referee.plain_measured(num_requests) else (
                 0, "measuring plain steps first")
         else:
             depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds, catch_up_seconds)
-        if decision and not decision.explore and not depth:
+            explorers = None
+        if decision and not depth:
             stats.steps_vetoed += 1
         if not depth:
             base = num_candidates + num_plain
             self._step_prediction = (float(base), float(self.policy.plain_seconds(base)))
-        return depth, False, f"{decision.why}; {why}"
+        return depth, explorers, f"{decision.why}; {why}"
 
     def _check_ranks_agree(self, req_ids: list[str], drafts: list[list[int]]) -> None:
         if self.vllm_config.parallel_config.tensor_parallel_size == 1:

@@ -258,7 +258,10 @@ class NodeBudgetPolicy:
         if num_tree_requests == 0:
             return Decision(False, "no request can grow a tree")
         if not self._cap_known.any():
-            return Decision(True, "nothing measured yet", depth=self.max_depth)
+            # The first trees teach the model; one request's do, and the others' would each cost
+            # the draft a catch-up on the whole prompt (at a heavy load, many plain steps).
+            return Decision(True, "nothing measured yet: the first tree", depth=self.max_depth,
+                            explore=True, num_requests=1)
         r = num_tree_requests
         tokens, seconds = self.predict(num_tree_requests, num_other_tokens)
         rates = tokens / seconds
@@ -416,8 +419,9 @@ class WallClockReferee:
     measured `min_steps` times each, at once (so drafting is judged on steps of its own, not on
     the model's first trees, and a depth the model misjudges is left within a few steps, level by
     level, even in a short run), unless drafting runs below `walk_share` of the plain rate (a
-    draft that cannot pay is not walked) or the load has drafted no step yet and starts from a
-    lighter load's measurement. Then the arms next to the best
+    draft that cannot pay is not walked), the load has drafted no step yet and starts from a
+    lighter load's measurement, or the draft's catch-up on the tokens it missed would cost more
+    than the walk's steps. Then the arms next to the best
     (one level shallower and deeper, and plain) are tried again once the steps since their last
     try have taken long enough that one more step of theirs costs at most `explore_share` of
     that time (about one step in `1 / explore_share` for each; a drafted try also pays the
@@ -527,11 +531,13 @@ class WallClockReferee:
         # The best drafted depth and the depths next to it are measured at once, min_steps steps
         # each: a depth is judged on steps of its own, not on the model's first trees or on one
         # step, and a depth the model misjudges is left within a few steps (a walk from depth to
-        # depth), not a few hundred. Unless drafting is far behind plain steps, or this load has
-        # drafted no step and starts from a lighter load's measurement: then drafting is only
-        # tried again at the bounded cost below.
+        # depth), not a few hundred. Unless drafting is far behind plain steps, this load has
+        # drafted no step and starts from a lighter load's measurement, or the draft would first
+        # catch up on more than the walk's steps cost (every request's plain streak or prompt, at
+        # a heavy load): then drafting is only tried at the bounded cost below, which counts it.
         drafted = 1 + int(np.nanargmax(rates[1:])) if not np.isnan(rates[1:]).all() else 0
-        if drafted and self._borrows(num_requests) is None and rates[drafted] >= self.walk_share * rates[0]:
+        if (drafted and self._borrows(num_requests) is None and rates[drafted] >= self.walk_share * rates[0]
+                and catch_up_seconds <= self.min_steps * seconds[drafted]):
             for depth in (drafted, drafted - 1, drafted + 1):
                 if 1 <= depth <= self.max_depth and not np.isnan(rates[depth]) and arms.count[depth] < self.min_steps:
                     return depth, f"{figures}: measuring depth {depth}"
