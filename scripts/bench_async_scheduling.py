@@ -1,0 +1,51 @@
+"""What vLLM's async scheduling is worth on this machine: no speculation with and without it.
+
+vLLM 0.32 turns async scheduling off for gsd (it schedules every draft slot of the next step
+ahead, which a tree of varying size cannot use), so every gsd step, plain or drafted, runs the
+engine core's scheduling and output processing between forwards. Two no-speculation engines
+(Qwen pair, default mode, prompts from the 41st on, 48 tokens) generate each prompt group in
+turns, twice in alternating order; the ratio is the share of a plain step gsd cannot win back.
+
+    .venv/bin/python scripts/bench_async_scheduling.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py: the prompts
+
+
+def main():
+    from bench import resolve_pair
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    pair = resolve_pair("qwen", 32, 40)
+    tok = AutoTokenizer.from_pretrained(pair.target)
+    prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in pair.prompts]
+    engines = {}
+    for flag in (True, False):
+        llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
+                  max_num_seqs=32, async_scheduling=flag)
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        engines[flag] = llm
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for batch in (8, 32):
+        times = {True: 0.0, False: 0.0}
+        for rnd in range(2):
+            for start in range(0, 32, batch):
+                for flag in ((True, False) if rnd == 0 else (False, True)):
+                    t = time.perf_counter()
+                    engines[flag].generate(prompts[start:start + batch], params, use_tqdm=False)
+                    times[flag] += time.perf_counter() - t
+        tokens = 2 * 32 * 48
+        print(f"batch {batch}: async {tokens / times[True]:.2f} tok/s, sync {tokens / times[False]:.2f} tok/s, "
+              f"sync / async {times[True] / times[False]:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
