@@ -111,14 +111,15 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
 DEFAULT_CONFIGS = "no_spec,draft_model_k2,draft_model_k4,draft_model_k6,gsd,gsd_graph_fixed"
 
 
-def start_engine(pair: Pair, spec: dict | None, max_batch: int, mode: str = "default"):
-    """An engine for one configuration, warmed up on a short request."""
+def start_engine(pair: Pair, spec: dict | None, max_batch: int, mode: str = "default", **engine_args):
+    """An engine for one configuration, warmed up on a short request (engine_args: more of
+    LLM's arguments)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
               max_num_seqs=max_batch, speculative_config=spec,
               **({"enforce_eager": True} if mode == "eager" else {}),
-              **({"per_request_spec_decode_metrics": "summary"} if spec else {}))
+              **({"per_request_spec_decode_metrics": "summary"} if spec else {}), **engine_args)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     return llm
 

@@ -20,19 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py: the 
 
 
 def main():
-    from bench import resolve_pair
+    from bench import resolve_pair, start_engine
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     pair = resolve_pair("qwen", 32, 40)
     tok = AutoTokenizer.from_pretrained(pair.target)
     prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in pair.prompts]
-    engines = {}
-    for flag in (True, False):
-        llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
-                  max_num_seqs=32, async_scheduling=flag)
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        engines[flag] = llm
+    engines = {flag: start_engine(pair, None, 32, async_scheduling=flag) for flag in (True, False)}
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for batch in (8, 32):
         times = {True: 0.0, False: 0.0}

@@ -423,6 +423,7 @@ def test_referee_corrects_cost_per_arm_and_yield_for_all_drafted_arms():
     tokens, _ = referee.corrected(1, np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25]))
     assert tokens[2] == pytest.approx(4.0, rel=0.05)
 
+
 def test_referee_measures_drafting_before_judging_it_on_the_models_first_trees():
     """The model, from its first trees, rates drafting at 0.6x plain; the machine runs it at 1.4x.
     Drafting is measured at once (min_steps steps), found faster, and kept for the run."""

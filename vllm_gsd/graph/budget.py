@@ -464,8 +464,7 @@ class WallClockReferee:
         count = arms.count[depth]
         keep = min((1 - self._smoothing) ** (arms.steps - arms.last_step[depth]), count / (count + 1))
         log_ratio = math.log(seconds / predicted_seconds)
-        seen = arms.count[depth] > 0
-        arms.log_cost[depth] = keep * arms.log_cost[depth] + (1 - keep) * log_ratio if seen else log_ratio
+        arms.log_cost[depth] = keep * arms.log_cost[depth] + (1 - keep) * log_ratio  # keep = 0 at first
         arms.count[depth] += 1
         arms.last_step[depth] = arms.steps
         if depth > 0:
