@@ -324,6 +324,14 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         plt.close(fig)
 
 
+def emit(text: str, out: str | None) -> None:
+    """Print a rendered table, and write it to `out` (a file path) when given."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+
+
 def profiling_parser(description: str, mode: str, num_prompts: int) -> argparse.ArgumentParser:
     """The arguments scripts/profile_step.py and scripts/profile_worker.py share."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

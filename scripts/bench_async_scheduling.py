@@ -4,7 +4,8 @@ vLLM 0.32 turns async scheduling off for gsd (it schedules every draft slot of t
 ahead, which a tree of varying size cannot use), so every gsd step, plain or drafted, runs the
 engine core's scheduling and output processing between forwards. Two no-speculation engines
 (Qwen pair, default mode, prompts from the 41st on, 48 tokens) generate each prompt group in
-turns, twice in alternating order; the ratio is the share of a plain step gsd cannot win back.
+turns, twice in alternating order; the ratio is what running without it costs a plain step here
+(docs/bench/async-scheduling.md: other measurements disagree; this VM swings by as much).
 
     .venv/bin/python scripts/bench_async_scheduling.py
 """

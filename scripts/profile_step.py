@@ -167,7 +167,7 @@ def render(pair, mode: str, results: list[dict], max_tokens: int, num_prompts: i
 
 
 def main() -> int:
-    from bench import configurations, profiling_parser, resolve_pair
+    from bench import configurations, emit, profiling_parser, resolve_pair
 
     parser = profiling_parser(__doc__, mode="eager", num_prompts=2)
     parser.add_argument("--torch-profile", action="store_true")
@@ -180,10 +180,7 @@ def main() -> int:
         results.append(profile_config(pair, name, configs[name], pair.prompts, args.max_tokens, args.mode,
                                       args.torch_profile))
     text = render(pair, args.mode, results, args.max_tokens, len(pair.prompts))
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit(text, args.out)
     return 0
 
 
