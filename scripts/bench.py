@@ -111,6 +111,15 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
 DEFAULT_CONFIGS = "no_spec,draft_model_k2,draft_model_k4,draft_model_k6,gsd,gsd_graph_fixed"
 
 
+def prompt_token_ids(pair: Pair, max_tokens: int) -> list[list[int]]:
+    """The pair's prompts as the target's token ids, each cut to leave room for max_tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair.target)
+    return [tokenizer(p, add_special_tokens=False)["input_ids"][: pair.max_model_len - max_tokens - 64]
+            for p in pair.prompts]
+
+
 def start_engine(pair: Pair, spec: dict | None, max_batch: int, mode: str = "default", **engine_args):
     """An engine for one configuration, warmed up on a short request (engine_args: more of
     LLM's arguments)."""
@@ -381,11 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     pair = resolve_pair(args.pair, args.num_prompts, args.prompt_offset)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(pair.target)
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"][: pair.max_model_len - args.max_tokens - 64]
-                  for p in pair.prompts]
+    prompt_ids = prompt_token_ids(pair, args.max_tokens)
     configs = configurations(pair, args.depth)
     if args.configs:
         configs = {k: configs[k] for k in args.configs.split(",")}

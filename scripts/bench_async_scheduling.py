@@ -21,13 +21,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py: the 
 
 
 def main():
-    from bench import resolve_pair, start_engine
-    from transformers import AutoTokenizer
+    from bench import prompt_token_ids, resolve_pair, start_engine
     from vllm import SamplingParams
 
     pair = resolve_pair("qwen", 32, 40)
-    tok = AutoTokenizer.from_pretrained(pair.target)
-    prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in pair.prompts]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids(pair, 48)]
     engines = {flag: start_engine(pair, None, 32, async_scheduling=flag) for flag in (True, False)}
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     for batch in (8, 32):

@@ -32,14 +32,12 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from bench import configurations, emit, generate_timed, resolve_pair, start_engine, stop_engine
-    from transformers import AutoTokenizer
+    from bench import configurations, emit, generate_timed, prompt_token_ids, resolve_pair, start_engine, stop_engine
 
     from vllm_gsd.engine.metrics import gsd_stats
 
     pair = resolve_pair("qwen", args.num_prompts, args.prompt_offset)
-    tok = AutoTokenizer.from_pretrained(pair.target)
-    prompts = [{"prompt_token_ids": tok(t)["input_ids"]} for t in pair.prompts]
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids(pair, args.max_tokens)]
     batches = [int(b) for b in args.batches.split(",")]
     specs = {"no_spec": None, "gsd": configurations(pair, 4)["gsd"]}
     engines = {name: start_engine(pair, spec, max(batches)) for name, spec in specs.items()}
@@ -56,12 +54,12 @@ def main() -> int:
                         seconds[name] += took
                 after = gsd_stats(engines["gsd"])
                 tokens = len(prompts) * args.max_tokens
+                no_spec_rate, gsd_rate = tokens / seconds["no_spec"], tokens / seconds["gsd"]
                 drafted = after.steps_speculated - before.steps_speculated
                 plain = after.steps_not_speculated - before.steps_not_speculated
-                rows.append((batch, pass_index + 1, tokens / seconds["no_spec"], tokens / seconds["gsd"],
-                             seconds["no_spec"] / seconds["gsd"], drafted, plain))
-                print(f"batch {batch} pass {pass_index + 1}: no_spec {rows[-1][2]:.2f} tok/s, gsd {rows[-1][3]:.2f} "
-                      f"tok/s, x {rows[-1][4]:.3f}, gsd steps drafted / plain {drafted} / {plain}", flush=True)
+                rows.append((batch, pass_index + 1, no_spec_rate, gsd_rate, gsd_rate / no_spec_rate, drafted, plain))
+                print(f"batch {batch} pass {pass_index + 1}: no_spec {no_spec_rate:.2f} tok/s, gsd {gsd_rate:.2f} "
+                      f"tok/s, x {gsd_rate / no_spec_rate:.3f}, gsd steps drafted / plain {drafted} / {plain}", flush=True)
     finally:
         for llm in engines.values():
             stop_engine(llm)

@@ -60,9 +60,10 @@ CORE_PHASES = (
     ("engine core: waiting for requests", ("_process_input_queue",), None),
 )
 CORE_BUSY = "engine core: own work"
+WORKER_OTHER = "other (worker)"
 
 
-def phase_of(frames: list[str], phases=PHASES, otherwise: str = "other (worker)") -> str:
+def phase_of(frames: list[str], phases=PHASES, otherwise: str = WORKER_OTHER) -> str:
     """frames: function names, outermost first."""
     names = set(frames)
     for phase, markers, within in phases:
@@ -74,7 +75,7 @@ def phase_of(frames: list[str], phases=PHASES, otherwise: str = "other (worker)"
     return otherwise
 
 
-def summarize(raw: Path, phases=PHASES, otherwise: str = "other (worker)") -> dict[str, int]:
+def summarize(raw: Path, phases=PHASES, otherwise: str = WORKER_OTHER) -> dict[str, int]:
     """Samples per phase of the process's main thread."""
     counts: collections.Counter = collections.Counter()
     for line in raw.read_text().splitlines():
@@ -156,7 +157,7 @@ def _engine_steps(llm) -> int:
 
 
 def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, max_tokens: int) -> str:
-    phases = [p for p, _, _ in PHASES] + ["other (worker)"]
+    phases = [p for p, _, _ in PHASES] + [WORKER_OTHER]
     lines = [
         f"# Worker profile: {pair.name} pair, batch {batch}, "
         f"{'enforce_eager' if mode == 'eager' else 'vLLM default (compiled) mode'}", "",
