@@ -78,6 +78,12 @@ def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
     assert 0 < delta["nodes_proposed"] <= 8 * delta["steps_speculated"]
     assert delta["nodes_proposed"] < delta["nodes_offered"]
     assert delta["accepted_nodes"] > 0
+    # A draft level costs a tenth of a target step: where the draft is too unsure of a level's
+    # children for them to pay for it, the step stops drafting before its depth.
+    print(f"levels drafted {delta['levels_drafted']}, left out {delta['levels_not_paying']} "
+          f"in {delta['steps_speculated']} drafted steps")
+    assert delta["levels_not_paying"] > 0
+    assert delta["levels_drafted"] + delta["levels_not_paying"] <= 4 * delta["steps_speculated"]
 
 
 def test_many_requests_decode_plainly_then_speculate_as_they_finish(costly_gsd, engines, tokenizer):

@@ -235,6 +235,71 @@ def test_now_and_then_the_policy_drafts_one_level_deeper_than_it_knows():
     assert 0 < depths.count(3) <= 4 and depths.count(2) > 2 * policy.explore_every
 
 
+def _chain_after_two_levels(policy, second_prob: float):
+    """A step that drafted the catch-up and one expansion of a chain: depth-1 node 0.9, depth-2
+    node 0.9 * second_prob, which the next forward would expand."""
+    path_prob = np.array([[0.9, 0.9 * second_prob]])
+    return dict(level=2, path_prob=path_prob, depth=np.array([[1, 2]]), num_nodes=np.array([2]),
+                frontier_request=np.array([0]), frontier_path_prob=path_prob[0, 1:], num_other_tokens=0)
+
+
+def test_a_level_is_drafted_while_the_draft_is_sure_enough_to_pay_for_it():
+    """A draft forward costs 40% of a target step. Recent children at the third level came with
+    probability 0.9 (best) and 0.05: under a sure frontier (path 0.81) the forward adds about
+    0.73 expected tokens for 0.4 of a step, more than the step's 2.7 tokens per 1.8 steps; under
+    an unsure one (path 0.09) it adds 0.08, and the step stops."""
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (0.04,)), node_budget=8, max_depth=6)
+    policy.observe_children(2, np.array([[0.9, 0.05]]))
+    assert policy.next_level_pays(**_chain_after_two_levels(policy, 0.9), draft_seconds=0.08)
+    assert not policy.next_level_pays(**_chain_after_two_levels(policy, 0.1), draft_seconds=0.08)
+    # Nearly free draft forwards: even the unsure frontier is worth a level.
+    cheap = _policy(FLAT, draft_cost=CostCurve((1,), (1e-5,)), node_budget=8, max_depth=6)
+    cheap.observe_children(2, np.array([[0.9, 0.05]]))
+    assert cheap.next_level_pays(**_chain_after_two_levels(cheap, 0.1), draft_seconds=2e-5)
+
+
+def test_a_level_whose_children_were_never_seen_is_drafted():
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (10.0,)), node_budget=8, max_depth=6)
+    policy.observe_children(1, np.array([[0.9, 0.05]]))  # level 2's children: not seen
+    assert policy.next_level_pays(**_chain_after_two_levels(policy, 0.1), draft_seconds=20.0)
+
+
+def test_a_level_pays_against_the_steps_expected_rate_not_its_sunk_cost():
+    """A long catch-up already spent makes the step's own rate low; against the rate the step
+    was expected to reach (a few tokens a plain step), a level adding 0.08 tokens for 0.4 of a
+    step does not pay, however much was spent before it."""
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (0.04,)), node_budget=8, max_depth=6)
+    policy.observe_children(2, np.array([[0.9, 0.05]]))
+    unsure = _chain_after_two_levels(policy, 0.1)
+    assert policy.next_level_pays(**unsure, draft_seconds=5.0)  # its own rate: 1.99 tokens in 5.1 s
+    assert not policy.next_level_pays(**unsure, draft_seconds=5.0, rate_to_beat=2.7 / 0.18)
+
+
+def test_children_beyond_a_requests_node_budget_count_nothing():
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (0.04,)), node_budget=2, max_depth=6)
+    policy.observe_children(2, np.array([[0.9, 0.05]]))
+    # The graph holds its 2 nodes: the sure frontier's children could not be kept.
+    assert not policy.next_level_pays(**_chain_after_two_levels(policy, 0.9), draft_seconds=0.08)
+
+
+def test_children_pruned_by_the_sibling_ratio_are_not_expected():
+    policy = NodeBudgetPolicy(FLAT, CostCurve((1,), (0.04,)), 8, 6, min_child_ratio=0.2)
+    policy.observe_children(0, np.array([[0.5, 0.3, 0.05], [0.9, 0.1, 0.0]]))
+    # Kept: 0.5, 0.3 (0.05 < 0.2 * 0.5) and 0.9 (0.1 < 0.2 * 0.9); means by rank.
+    np.testing.assert_allclose(policy._child_probs[0], [0.7, 0.15, 0.0])
+
+
+def test_levels_steps_stop_short_of_weigh_less_in_the_expected_draft_cost():
+    policy = _policy(FLAT, draft_cost=CostCurve((1,), (1.0,)), max_depth=4)
+    for level in range(3):
+        policy.observe_forward(level, 1, 1)
+    assert policy.expected_draft_seconds(1, depth=3) == pytest.approx(3.0)
+    for _ in range(200):  # allowed 3 forwards, every step stopped after 2
+        policy.observe_levels(allowed_depth=3, drafted_depth=2)
+    assert policy.expected_draft_seconds(1, depth=3) == pytest.approx(2.0, abs=1e-6)
+    assert policy.expected_draft_seconds(1, depth=2) == pytest.approx(2.0)
+
+
 def _random_graph(seed: int, batch: int, budget: int, top_k: int = 3, depth: int = 4, vocab: int = 12):
     generator = torch.Generator().manual_seed(seed)
     params = GraphParams(node_budget=budget, top_k=top_k, max_depth=depth, merge_ngram=1)

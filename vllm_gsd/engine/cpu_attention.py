@@ -99,7 +99,9 @@ class GsdCpuAttentionImpl(GraphAttentionImpl, CPUAttentionBackendImpl):
         num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
         head_size = two_d // 2
         num, num_pages = plan.pages.shape
-        paged = kv_cache[plan.pages].view(num, num_pages, num_kv_heads, 2, block_size * head_size)
+        # index_select, not kv_cache[pages]: advanced indexing of the cache costs 5x as much here.
+        paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2,
+                                                                   block_size * head_size)
         keys = paged[:, :, :, 0].view(num, num_pages, num_kv_heads, head_size, block_size)
         keys = keys.permute(0, 2, 1, 4, 3).reshape(num, num_kv_heads, num_pages * block_size, head_size)
         values = paged[:, :, :, 1].view(num, num_pages, num_kv_heads, block_size, head_size)

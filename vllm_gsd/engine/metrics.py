@@ -12,7 +12,8 @@ worker knows is counted here, per worker process:
   `gsd_steps_not_speculated` (steps with tree candidates that it ran as plain decoding; of
   them `gsd_steps_vetoed` where the cost model predicted a gain and the wall-clock referee,
   correcting it with measured step times, found plain decoding faster),
-  `gsd_levels_drafted` (draft forwards, catch-up included), `gsd_nodes_offered` (tree nodes
+  `gsd_levels_drafted` (draft forwards, catch-up included), `gsd_levels_not_paying` (levels a
+  step was allowed but did not draft: its draft was too unsure for them to pay), `gsd_nodes_offered` (tree nodes
   drafted) and `gsd_nodes_proposed` (the nodes it chose to verify);
 * whole decode steps as they ran (the referee's figures): `gsd_speculative_step_us` /
   `gsd_speculative_step_tokens` for steps that verified trees, `gsd_plain_step_us` /
@@ -60,6 +61,7 @@ class GsdStats:
     plain_step_us: int = 0  # whole steps (decodes only) without trees
     plain_step_tokens: int = 0
     levels_drafted: int = 0
+    levels_not_paying: int = 0  # levels a step's depth allowed, left out as not expected to pay
     nodes_offered: int = 0
     nodes_proposed: int = 0
     target_forward_us: int = 0

@@ -25,7 +25,8 @@ for the tree before the target's and the draft's context limits and in the alloc
    KV position root_pos + g, rotated at root_pos + depth(g), and attends to the context plus its
    primary ancestors (graph mask). Children are the draft's top-k (greedy requests) or its
    Gumbel-top-k under the request's own sampling and noise (sampled requests, engine/sampling.py).
-   It stops at the depth the policy chose for the step.
+   It stops at the depth the policy chose for the step, or before, at the first level whose
+   children the draft is too unsure of to pay for the forward (NodeBudgetPolicy.next_level_pays).
 3. The graph is unrolled into the verification tree; the policy keeps each request's most likely
    nodes, as many as maximize the batch's expected tokens per second.
 Everything here is deterministic given the batch (the cost curves are shared by all ranks), so
@@ -147,7 +148,8 @@ class GsdProposer(DraftModelProposer):
         target_cost, draft_cost = budget_cost_curves(runner, self, knobs.cost_curve)
         # Curves measured here time bare forwards: real step times refine them (a user's are kept).
         self.policy = NodeBudgetPolicy(target_cost, draft_cost, self.node_budget, knobs.max_depth,
-                                       learn_scales=knobs.cost_curve is None)
+                                       learn_scales=knobs.cost_curve is None,
+                                       min_child_ratio=knobs.min_child_ratio)
         # Whole steps as they run decide in the end; curves a user gave are taken as they are.
         self.referee = WallClockReferee(knobs.max_depth) if knobs.cost_curve is None else None
 
@@ -232,11 +234,12 @@ class GsdProposer(DraftModelProposer):
         if not candidates:
             self._record(stats)
             return drafts
-        depth, explore = self.graph_params.max_depth, False
+        depth, explore, rate_to_beat = self.graph_params.max_depth, False, None
         # With a referee no step explores, so these candidates are the ones that draft.
         catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
         if self.policy is not None:
-            depth, explorers, why = self._decide(len(req_ids), len(candidates), num_plain, stats, catch_up_excess)
+            depth, explorers, rate_to_beat, why = self._decide(len(req_ids), len(candidates), num_plain, stats,
+                                                               catch_up_excess)
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, f"draft {depth} levels" if depth else "plain step", why)
             if not depth:
@@ -256,7 +259,7 @@ class GsdProposer(DraftModelProposer):
         root_logits = self._catch_up(runner, candidates, stats)
         if self.referee is not None:
             self._step_catch_up_excess = catch_up_excess
-        tree = self._grow(runner, candidates, root_logits, num_plain, stats, depth, explore)
+        tree = self._grow(runner, candidates, root_logits, num_plain, stats, depth, explore, rate_to_beat)
         num_nodes = tree.num_nodes.tolist()
         for b, candidate in enumerate(candidates):
             n = num_nodes[b]
@@ -295,9 +298,11 @@ class GsdProposer(DraftModelProposer):
                                                   - self.policy.draft_cost(sum(steady)))
 
     def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats,
-                catch_up_seconds: float) -> tuple[int, int | None, str]:
-        """(depth, explorers, why): the adaptive budget's answer for this step; explorers: the
-        step drafts for only this many of its tree requests (None: all). The cost model proposes
+                catch_up_seconds: float) -> tuple[int, int | None, float | None, str]:
+        """(depth, explorers, rate, why): the adaptive budget's answer for this step; explorers:
+        the step drafts for only this many of its tree requests (None: all); rate: the model's
+        tokens per second of a step drafted that deep (None: not predicted yet), which each
+        further draft level must beat. The cost model proposes
         a depth, or plain decoding (its first tree, and with curves the user gave now and then a
         few exploring trees to refresh its estimates); where whole steps are measured, the
         referee picks the arm that measures fastest (the model's depth while that is not
@@ -305,7 +310,8 @@ class GsdProposer(DraftModelProposer):
         decision = self.policy.should_draft(num_candidates, num_plain)
         explorers = decision.num_requests if decision.explore else None
         if self.referee is None:
-            return (decision.depth if decision else 0), explorers, decision.why
+            depth = decision.depth if decision else 0
+            return depth, explorers, _predicted_rate(decision, depth), decision.why
         if decision.tokens is None:  # nothing to predict from yet: the model's first tree
             depth, why = (decision.depth, "") if self.referee.plain_measured(num_requests) else (
                 0, "measuring plain steps first")
@@ -317,7 +323,7 @@ class GsdProposer(DraftModelProposer):
         if not depth:
             base = num_candidates + num_plain
             self._step_prediction = (float(base), float(self.policy.plain_seconds(base)))
-        return depth, explorers, f"{decision.why}; {why}"
+        return depth, explorers, _predicted_rate(decision, depth), f"{decision.why}; {why}"
 
     def _check_ranks_agree(self, req_ids: list[str], drafts: list[list[int]]) -> None:
         if self.vllm_config.parallel_config.tensor_parallel_size == 1:
@@ -460,8 +466,13 @@ class GsdProposer(DraftModelProposer):
                            self._block_ids(runner, candidate.batch_row), candidate.root_pos + 1)
         return torch.stack(root_hidden)
 
-    def _grow(self, runner, candidates: list[_Candidate], root_hidden: torch.Tensor,
-              num_plain: int, stats: GsdStats, depth: int, explore: bool = False) -> VerificationTree:
+    def _grow(self, runner, candidates: list[_Candidate], root_hidden: torch.Tensor, num_plain: int,
+              stats: GsdStats, depth: int, explore: bool = False, rate_to_beat: float | None = None
+              ) -> VerificationTree:
+        """Draft the graph level by level, at most `depth` forwards (the catch-up was the first);
+        with the adaptive budget, a level is drafted only while it is expected to pay at
+        `rate_to_beat` (NodeBudgetPolicy.next_level_pays), except on exploring steps, which
+        draft every level to refresh the estimates. Returns the tree to verify."""
         token_ids_cpu = runner.input_batch.token_ids_cpu
         batch_rows = np.asarray([c.batch_row for c in candidates], dtype=np.int64)
         root_pos = np.asarray([c.root_pos for c in candidates], dtype=np.int64)
@@ -479,6 +490,10 @@ class GsdProposer(DraftModelProposer):
             if frontier_hidden is None:
                 if level >= depth:
                     break
+                if policy is not None and not explore and not self._next_level_pays(
+                        builder, frontier, level, num_plain, rate_to_beat):
+                    stats.levels_not_paying += depth - level
+                    break
                 frontier_hidden = self._expand_level(runner, builder, frontier, batch_rows, root_pos, stats)
                 num_rows = int(frontier.request_index.numel())
                 stats.draft_tokens_computed += num_rows
@@ -490,16 +505,26 @@ class GsdProposer(DraftModelProposer):
             else:
                 rows_request, rows_depth = frontier.request_index.numpy(), frontier.depth.numpy()
             top_tokens, top_probs = self._children(frontier_hidden, stats, candidates, rows_request, rows_depth)
+            if policy is not None:
+                policy.observe_children(level, top_probs.numpy())
             builder.expand(top_tokens, top_probs)
             frontier_hidden, level = None, level + 1
         tree = builder.build_tree()
         stats.nodes_offered += int(tree.num_nodes.sum())
         if policy is not None:
+            policy.observe_levels(depth, level)
             selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
                                       num_plain, self._curve_seconds, explore=explore, drafted_depth=depth)
             tree = builder.build_tree(node_budget=selection.node_budget)
             self._step_prediction = (selection.tokens, selection.seconds)
         return tree
+
+    def _next_level_pays(self, builder: GraphBuilder, frontier, level: int, num_plain: int,
+                         rate_to_beat: float | None) -> bool:
+        graph = builder.graph(copy=False)
+        return self.policy.next_level_pays(
+            level, graph.path_prob[:, 1:], graph.depth[:, 1:], graph.num_nodes, frontier.request_index.numpy(),
+            frontier.path_prob.numpy(), num_plain, self._curve_seconds, rate_to_beat)
 
     def _expand_level(self, runner, builder: GraphBuilder, frontier, batch_rows: np.ndarray,
                       root_pos: np.ndarray, stats: GsdStats) -> torch.Tensor:
@@ -659,6 +684,13 @@ class GsdProposer(DraftModelProposer):
     @property
     def _vocab_size(self) -> int:
         return self.draft_model_config.get_vocab_size()
+
+
+def _predicted_rate(decision, depth: int) -> float | None:
+    """The model's tokens per second of a step drafted `depth` levels, where it predicted one."""
+    if decision.tokens is None or depth == 0 or np.isnan(decision.tokens[depth]):
+        return None
+    return float(decision.tokens[depth] / decision.seconds[depth])
 
 
 def _all_decodes(scheduler_output) -> bool:

@@ -11,8 +11,10 @@ and a step without speculation emits R + D tokens in T_t(R + D) seconds (no draf
 `NodeBudgetPolicy` answers the questions of a step with that one rate:
 
 * `should_draft`: is speculation expected to beat no speculation at this load, and how many
-  levels should the step draft? (from the gain curves of recent trees by depth and the cost
-  curves; at high load the answer becomes no);
+  levels should the step draft at most? (from the gain curves of recent trees by depth and the
+  cost curves; at high load the answer becomes no);
+* `next_level_pays`, while drafting: is one more level worth its forward, given how sure the
+  draft is of this step's frontier? (a step stops early where its draft is unsure);
 * `select`: how many of each request's best nodes (by path probability) to verify, so that the
   batch's rate is the highest. Few nodes per request degenerate to the most likely chain.
 
@@ -133,18 +135,26 @@ class AcceptanceModel:
         return np.minimum(1.0, self.scale()[np.clip(depth, 0, self.max_depth)] * path_prob)
 
 
-def best_rate(base_tokens: float, gains_desc: np.ndarray, fixed_seconds: float,
-              target_cost) -> tuple[int, float]:
-    """(k, rate) maximizing (base_tokens + sum of the first k gains) / (fixed + T_t(base + k)).
+def best_step(base_tokens: float, gains_desc: np.ndarray, fixed_seconds: float,
+              target_cost) -> tuple[int, float, float]:
+    """(k, tokens, seconds) of the step whose rate (base_tokens + sum of the first k gains) /
+    (fixed + T_t(base + k)) is the highest.
 
     gains_desc: float [K], in the order nodes would be added (k = 0 allowed: verify nothing);
     target_cost: seconds by query tokens (a CostCurve, or any function of an array).
     """
     k = np.arange(gains_desc.size + 1)
     tokens = base_tokens + np.concatenate([[0.0], np.cumsum(gains_desc)])
-    rate = tokens / (fixed_seconds + target_cost(base_tokens + k))
-    best = int(np.argmax(rate))  # first maximum: the fewest nodes among equals
-    return best, float(rate[best])
+    seconds = fixed_seconds + target_cost(base_tokens + k)
+    best = int(np.argmax(tokens / seconds))  # first maximum: the fewest nodes among equals
+    return best, float(tokens[best]), float(seconds[best])
+
+
+def best_rate(base_tokens: float, gains_desc: np.ndarray, fixed_seconds: float,
+              target_cost) -> tuple[int, float]:
+    """(k, rate) of `best_step`."""
+    k, tokens, seconds = best_step(base_tokens, gains_desc, fixed_seconds, target_cost)
+    return k, tokens / seconds
 
 
 @dataclass(frozen=True)
@@ -190,14 +200,18 @@ class NodeBudgetPolicy:
     node_budget: N, the most nodes per request; max_depth: the most draft levels.
     explore_every: after this many steps decided as plain decoding in a row, one is drafted, so
     the estimates behind the decision are refreshed (load falls, the draft may improve); it
-    drafts for at most explore_requests requests.
+    drafts for at most explore_requests requests. min_child_ratio: the graph's sibling pruning
+    (GraphParams), so that the children a level is expected to add are pruned as the graph would.
 
     Depth is a decision of its own: each draft level costs a forward, and the levels a step runs
     are paid whatever the tree accepts. So the recent trees are remembered per depth cap c (the
     expected accepted nodes of a request's best n nodes no deeper than c: `gain_curve(c)`), and a
     step is predicted for every c up to max_depth with the draft forwards of c levels; only caps
     that recent steps drafted to are predicted (a deeper one is tried by the wall-clock
-    referee's exploration, and predicted from then on).
+    referee's exploration, and predicted from then on). That depth is a cap: within a step each
+    further level is drafted only while `next_level_pays` on the step's own frontier, so the
+    caps' gain curves and expected draft seconds are those of steps that stop early where the
+    draft is unsure (`observe_levels` counts the levels they left out).
 
     Measured curves time bare forwards; a real step also builds inputs, runs attention over the
     context (the tree rows under the graph mask) and, for the draft, builds the graph. With
@@ -210,7 +224,8 @@ class NodeBudgetPolicy:
     explore_requests = 4
 
     def __init__(self, target_cost: CostCurve, draft_cost: CostCurve, node_budget: int,
-                 max_depth: int, smoothing: float = 0.1, learn_scales: bool = False) -> None:
+                 max_depth: int, smoothing: float = 0.1, learn_scales: bool = False,
+                 min_child_ratio: float = 0.0) -> None:
         self.target_cost, self.draft_cost = target_cost, draft_cost
         self.node_budget, self.max_depth = node_budget, max_depth
         self.acceptance = AcceptanceModel(max_depth)
@@ -225,6 +240,12 @@ class NodeBudgetPolicy:
         # Per draft forward l (0 = catch-up, l >= 1 expands depth-l nodes): its rows per request.
         self._level_rows = np.zeros(max_depth)
         self._level_seen = np.zeros(max_depth, dtype=bool)
+        # Per draft forward l: the share of the steps allowed to draft it that did (the others
+        # stopped earlier: `next_level_pays`), and its rows' children's probabilities by top-k
+        # rank, siblings below min_child_ratio x the best one pruned as the graph prunes them.
+        self._level_share = np.ones(max_depth)
+        self._child_probs: np.ndarray | None = None  # float64 [max_depth, k] once observed
+        self._min_child_ratio = min_child_ratio
         self._cap_age = np.zeros(max_depth + 1, dtype=np.int64)  # drafted steps since a cap was taught
         self._plain_streak = 0
         self.scale = {"plain": 1.0, "tree": 1.0, "draft": 1.0}
@@ -303,13 +324,14 @@ class NodeBudgetPolicy:
     def expected_draft_seconds(self, num_tree_requests: int, depth: int) -> float:
         """Draft forwards of a step of `depth` levels for this many tree requests (the catch-up
         and depth - 1 expansions), in seconds by the draft's cost curve, with each level's rows
-        as recent steps had them (a level not drafted lately: as the deepest one that was)."""
+        as recent steps had them (a level not drafted lately: as the deepest one that was), and
+        each expansion weighed by the share of recent steps that went on to draft it."""
         rows = self._level_rows.copy()
         for level in range(1, self.max_depth):
             if not self._level_seen[level]:
                 rows[level] = rows[level - 1]
         rows = np.maximum(1.0, num_tree_requests * rows[:depth])
-        return float(np.sum(self.draft_cost(rows)))
+        return float(np.sum(self._level_share[:depth] * self.draft_cost(rows)))
 
     # ---------------------------------------------------------------- while drafting
 
@@ -321,6 +343,69 @@ class NodeBudgetPolicy:
             seen = self._level_seen[level]
             self._level_rows[level] = (1 - a) * self._level_rows[level] + a * per_request if seen else per_request
             self._level_seen[level] = True
+
+    def observe_children(self, level: int, top_probs: np.ndarray) -> None:
+        """The children the draft proposed at forward `level` (0: the roots'): top_probs float
+        [R, k], each row descending (the draft's top-k probabilities of one expanded node)."""
+        top_probs = np.asarray(top_probs, dtype=np.float64)
+        if not 0 <= level < self.max_depth or top_probs.size == 0:
+            return
+        if self._child_probs is None:
+            self._child_probs = np.full((self.max_depth, top_probs.shape[1]), np.nan)
+        kept = np.where(top_probs >= self._min_child_ratio * top_probs[:, :1], top_probs, 0.0).mean(0)
+        known = self._child_probs[level]
+        a = self._smoothing
+        self._child_probs[level] = kept if np.isnan(known).any() else (1 - a) * known + a * kept
+
+    def observe_levels(self, allowed_depth: int, drafted_depth: int) -> None:
+        """A drafted step was allowed `allowed_depth` draft forwards and ran `drafted_depth`
+        (the catch-up included): the expansions it stopped short of count as not drafted."""
+        a = self._smoothing
+        levels = np.arange(1, min(allowed_depth, self.max_depth))
+        ran = (levels < drafted_depth).astype(np.float64)
+        self._level_share[levels] = (1 - a) * self._level_share[levels] + a * ran
+
+    def next_level_pays(self, level: int, path_prob: np.ndarray, depth: np.ndarray, num_nodes: np.ndarray,
+                        frontier_request: np.ndarray, frontier_path_prob: np.ndarray, num_other_tokens: int,
+                        draft_seconds: float, rate_to_beat: float | None = None) -> bool:
+        """Whether one more draft forward, expanding the frontier (its nodes at depth `level`),
+        is expected to pay: the tokens its children add, over the seconds it and their
+        verification add, against `rate_to_beat` (the step's expected tokens per second, as
+        decided; None: the rate of the step as drafted so far).
+
+        path_prob, depth float/int [B, W]: each request's drafted nodes (rows past num_nodes[b]
+        are ignored); frontier_request, frontier_path_prob [F]: the nodes the forward would
+        expand; draft_seconds: what the draft spent so far, by its curve. The children are
+        expected as recent ones were at this level (mean probability by top-k rank), within
+        each request's remaining node budget. On a memory-bound machine a level costs the same
+        for one row or many, so a step whose draft is unsure stops early and a confident one
+        goes deep: a fixed depth pays for levels that unsure steps never accept.
+        """
+        if self._child_probs is None or np.isnan(self._child_probs[level]).any():
+            return True  # children of this level not seen yet: draft them (and learn them)
+        batch, width = path_prob.shape
+        real = np.arange(width)[None, :] < num_nodes[:, None]
+        drafted = self.acceptance.node_gain(path_prob[real], depth[real])
+        expected = self.acceptance.node_gain(np.outer(frontier_path_prob, self._child_probs[level]),
+                                             np.full((frontier_path_prob.size, 1), level + 1))
+        request = np.repeat(frontier_request, expected.shape[1])
+        gain = expected.reshape(-1)
+        order = np.lexsort((-gain, request))
+        request, gain = request[order], gain[order]
+        rank = np.arange(gain.size) - np.searchsorted(request, request)
+        room = self.node_budget - num_nodes
+        children = gain[rank < room[request]]
+        base = batch + num_other_tokens
+        spent = self.scale["draft"] * draft_seconds
+        more = self.scale["draft"] * float(self.draft_cost(frontier_path_prob.size))
+        _, tokens_now, seconds_now = best_step(base, np.sort(drafted)[::-1], spent, self.tree_seconds)
+        _, tokens_after, seconds_after = best_step(base, np.sort(np.concatenate([drafted, children]))[::-1],
+                                                   spent + more, self.tree_seconds)
+        if rate_to_beat is None:
+            rate_to_beat = tokens_now / seconds_now
+        # The level pays if what it adds comes at a better rate than the step's (a sunk cost,
+        # such as a long catch-up, does not make a further level worth more).
+        return tokens_after - tokens_now > rate_to_beat * (seconds_after - seconds_now)
 
     # ---------------------------------------------------------------- after drafting
 

@@ -61,13 +61,15 @@ class Frontier:
     """The nodes to run through the draft model at this level (CPU tensors, sorted by request, row).
 
     request_index: int64 [F], node_row: int64 [F] (graph row within its request; 0 = root),
-    depth: int64 [F] (primary depth = rotary offset from draft_base), token_ids: int64 [F].
+    depth: int64 [F] (primary depth = rotary offset from draft_base), token_ids: int64 [F],
+    path_prob: float64 [F] (the draft's probability of the path to the node).
     """
 
     request_index: torch.Tensor
     node_row: torch.Tensor
     depth: torch.Tensor
     token_ids: torch.Tensor
+    path_prob: torch.Tensor
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -162,7 +164,7 @@ class GraphBuilder:
 
     def frontier(self) -> Frontier | None:
         """The rows to draft next, or None when drafting is over."""
-        request, row, token, _ = self._front
+        request, row, token, path_prob = self._front
         if request.size == 0 or self._levels_expanded >= self.params.max_depth:
             return None
         return Frontier(  # no copies: a front's arrays are never written once it is made
@@ -170,6 +172,7 @@ class GraphBuilder:
             node_row=torch.from_numpy(row),
             depth=torch.from_numpy(np.full(request.size, self._levels_expanded, dtype=np.int64)),
             token_ids=torch.from_numpy(token),
+            path_prob=torch.from_numpy(path_prob),
         )
 
     @property
