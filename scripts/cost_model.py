@@ -264,7 +264,7 @@ def fit_setup(results: dict, *, target: ModelShape, draft: ModelShape, context: 
             if method_of(r["config"]) == "none":
                 out.append(math.log(plain_step_time(setup, r["batch"], context) * r["tokens_per_s"] / r["batch"]))
             else:
-                measured = r["tokens_per_s"] / plain[r["batch"]]["tokens_per_s"]
+                measured = measured_ratio(r, plain)
                 out.append(math.log(speedup(setup, speculation_of(r, depth), r["batch"], context) / measured))
         return out
 
@@ -342,6 +342,13 @@ def bench_depth(meta: dict, default: int = 4) -> int:
     return default
 
 
+def measured_ratio(row: dict, plain: dict) -> float:
+    """A speculative row's ratio to no speculation: the one bench.py paired it with (interleaved
+    runs measure each configuration beside its own no speculation), else to the no_spec row."""
+    paired = row.get("ratio_to_no_spec")
+    return float(paired) if paired else row["tokens_per_s"] / plain[row["batch"]]["tokens_per_s"]
+
+
 def check(results: dict, setup: Setup, *, context: float, depth: int) -> list[CheckRow]:
     """Predicted against measured ratio to no speculation for every speculative row of a
     scripts/bench.py results.json (rows of unknown configs left out)."""
@@ -351,7 +358,7 @@ def check(results: dict, setup: Setup, *, context: float, depth: int) -> list[Ch
     for row in rows:
         if method_of(row["config"]) == "none" or row["batch"] not in plain:
             continue
-        measured = row["tokens_per_s"] / plain[row["batch"]]["tokens_per_s"]
+        measured = measured_ratio(row, plain)
         predicted = speedup(setup, speculation_of(row, depth), row["batch"], context)
         out.append(CheckRow(row["config"], row["batch"], measured, predicted))
     return out

@@ -80,7 +80,8 @@ class GsdStats:
             f"merges: {self.merges}, draft expansions saved: {self.draft_expansions_saved}, "
             f"accepted paths through a merge: {100.0 * self.paths_through_merge / trees:.1f}%, "
             f"draft tokens computed: {self.draft_tokens_computed}, steps drafted / plain: "
-            f"{self.steps_speculated} / {self.steps_not_speculated}, nodes proposed / offered: "
+            f"{self.steps_speculated} / {self.steps_not_speculated}, draft forwards / levels left out "
+            f"as not paying: {self.levels_drafted} / {self.levels_not_paying}, nodes proposed / offered: "
             f"{self.nodes_proposed} / {self.nodes_offered}"
         )
 
