@@ -45,7 +45,8 @@ class Row:
     draft_tokens_per_accepted: float | None = None
     nodes_per_step: float | None = None
     plain_step_share: float | None = None  # share of steps the adaptive budget ran without drafting
-    step_ms: dict | None = None  # GSD's per-step time split (target, draft, verify, compaction)
+    step_ms: dict | None = None  # GSD's per-decode-step time split (target, draft, verify, compaction)
+    whole_step_ms: dict | None = None  # GSD's whole decode steps: drafted ms, its tokens, plain ms
     merges: int | None = None
     draft_expansions_saved: int | None = None
     identical_to_no_spec: bool | None = None
@@ -172,9 +173,13 @@ def describe_run(name: str, spec: dict | None, batch: int, outs: list, seconds: 
     row.nodes_per_step = round(delta["nodes_verified"] / max(delta["trees_verified"], 1), 1)
     decided = delta["steps_speculated"] + delta["steps_not_speculated"]
     row.plain_step_share = round(delta["steps_not_speculated"] / max(decided, 1), 2)
-    row.step_ms = {phase: round(delta[f"{phase}_us"] / 1e3 / max(delta["steps"], 1), 1)
+    row.step_ms = {phase: round(delta[f"{phase}_us"] / 1e3 / max(delta["decode_steps"], 1), 1)
                    for phase in ("target_forward", "draft_step", "draft_model", "draft_logits",
                                  "verify", "kv_compaction")}
+    drafted, plain = max(delta["speculative_steps_timed"], 1), max(delta["plain_steps_timed"], 1)
+    row.whole_step_ms = {"drafted": round(delta["speculative_step_us"] / 1e3 / drafted, 1),
+                         "drafted_tokens": round(delta["speculative_step_tokens"] / drafted, 2),
+                         "plain": round(delta["plain_step_us"] / 1e3 / plain, 1) if delta["plain_steps_timed"] else None}
     row.merges = delta["merges"]
     row.draft_expansions_saved = delta["draft_expansions_saved"]
     return row
@@ -285,24 +290,28 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         "catch-up plus every expanded graph row; counted by GSD only). "
         "Nodes / step: draft tokens the target verified per request per step (GSD: per tree). "
         "Plain steps: share of steps the adaptive budget decoded without drafting. Step split (GSD): "
-        "milliseconds per step of the target forward / draft step (catch-up, levels, graph) / of "
+        "milliseconds per decode step (steps with prompt tokens left out) of the target forward "
+        "(the runner's execute_model) / draft step (catch-up, levels, graph) / of "
         "which the draft model's layers / of which its LM head / tree verification / KV compaction, "
-        "host wall time. `= no-spec`: greedy "
+        "host wall time. Whole steps (GSD): wall milliseconds of a drafted decode step (tokens it "
+        "emitted) / of a plain one, as the adaptive budget's referee timed them. `= no-spec`: greedy "
         "output identical to no speculation" + (" (bf16: vLLM's own output depends on the batch "
         "shape at near-ties; exactness is tested in float32)" if pair.dtype != "float32" else "") + ".",
         "",
         "| config | batch | tok/s | x no-spec | mean acc. len | draft tok / accepted tok | nodes / step "
-        "| plain steps | step split ms | merges | draft exp. saved | = no-spec |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| plain steps | step split ms | whole steps ms | merges | draft exp. saved | = no-spec |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     fmt = lambda v: "" if v is None else str(v)  # noqa: E731
     for r in rows:
         same = "" if r.identical_to_no_spec is None else (
             "yes" if r.identical_to_no_spec else f"**NO** ({r.identical_prompts or '?'} same)")
         split = "" if not r.step_ms else " / ".join(str(v) for v in r.step_ms.values())
+        whole = "" if not r.whole_step_ms else (
+            f"{r.whole_step_ms['drafted']} ({r.whole_step_ms['drafted_tokens']}) / {fmt(r.whole_step_ms['plain'])}")
         lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
                      f"{fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
-                     f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {fmt(r.merges)} | "
+                     f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {whole} | {fmt(r.merges)} | "
                      f"{fmt(r.draft_expansions_saved)} | {same} |")
     noted = [r for r in rows if r.notes]
     if noted:

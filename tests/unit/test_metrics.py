@@ -13,3 +13,30 @@ def test_two_metrics_in_one_process_share_the_prometheus_counters():
         metrics.add(trees_verified=2)
         metrics.step_done()
     assert first._counters is second._counters and first._counters
+
+
+def _scheduled(num_tokens: dict, spec: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_scheduled_tokens=num_tokens, scheduled_spec_decode_tokens=spec)
+
+
+def test_phase_timers_cover_decode_steps_only():
+    """A prefill's forwards take seconds; averaged into the per-step split they would hide what a
+    decode step costs (the split must add up to a decode step's wall time)."""
+    from vllm_gsd.engine.metrics import GsdMetrics
+
+    metrics = GsdMetrics()
+    metrics.begin_step(_scheduled({"a": 300}, {}))  # a prompt
+    metrics.add(target_forward_us=2_000_000, draft_step_us=600_000, draft_tokens_computed=300)
+    metrics.step_done()
+    metrics.begin_step(_scheduled({"a": 5, "b": 1}, {"a": [7, 8, 9, 10]}))  # a tree and a plain decode
+    metrics.add(target_forward_us=180_000, draft_step_us=150_000, verify_us=3_000)
+    metrics.step_done()
+    metrics.begin_step(_scheduled({"a": 5, "c": 40}, {"a": [7, 8, 9, 10]}))  # a decode beside a chunk
+    metrics.add(target_forward_us=500_000)
+    metrics.step_done()
+    stats = metrics.stats
+    assert (stats.steps, stats.decode_steps) == (3, 1)
+    assert (stats.target_forward_us, stats.draft_step_us, stats.verify_us) == (180_000, 150_000, 3_000)
+    assert stats.draft_tokens_computed == 300  # counts are not timers: every step's count

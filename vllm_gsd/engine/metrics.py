@@ -17,11 +17,15 @@ worker knows is counted here, per worker process:
   drafted) and `gsd_nodes_proposed` (the nodes it chose to verify);
 * whole decode steps as they ran (the referee's figures): `gsd_speculative_step_us` /
   `gsd_speculative_step_tokens` for steps that verified trees, `gsd_plain_step_us` /
-  `gsd_plain_step_tokens` for the others;
-* where a step's time goes (host wall time, microseconds, summed): `gsd_target_forward_us`
-  (the target's forward), `gsd_draft_step_us` (catch-up, levels and tree building; of which
-  `gsd_draft_model_us` in the draft model's layers and `gsd_draft_logits_us` in its LM head),
-  `gsd_verify_us` (the tree walk with its sampling) and `gsd_kv_compaction_us`.
+  `gsd_plain_step_tokens` for the others, `gsd_speculative_steps_timed` /
+  `gsd_plain_steps_timed` counting them;
+* where a decode step's time goes (host wall time, microseconds, summed over the
+  `gsd_decode_steps`, the steps whose target forward had no prompt tokens: a prefill's forwards
+  would swamp the split and are not what speculation changes): `gsd_target_forward_us` (the
+  runner's execute_model: input preparation, the target's forward and its LM head),
+  `gsd_draft_step_us` (catch-up, levels and tree building; of which `gsd_draft_model_us` in the
+  draft model's layers and `gsd_draft_logits_us` in its LM head), `gsd_verify_us` (the tree
+  walk with its sampling) and `gsd_kv_compaction_us`.
 
 They are exported as Prometheus counters `vllm:gsd_*` (the OpenAI server collects worker
 processes through vLLM's multiprocess registry, so they appear on /metrics), logged every
@@ -45,6 +49,7 @@ LOG_INTERVAL_S = 10.0
 @dataclass
 class GsdStats:
     steps: int = 0
+    decode_steps: int = 0  # of which decodes only: the steps the *_us phase timers cover
     trees_verified: int = 0
     nodes_verified: int = 0
     accepted_nodes: int = 0
@@ -60,6 +65,8 @@ class GsdStats:
     speculative_step_tokens: int = 0  # and the tokens they emitted
     plain_step_us: int = 0  # whole steps (decodes only) without trees
     plain_step_tokens: int = 0
+    speculative_steps_timed: int = 0
+    plain_steps_timed: int = 0
     levels_drafted: int = 0
     levels_not_paying: int = 0  # levels a step's depth allowed, left out as not expected to pay
     nodes_offered: int = 0
@@ -86,21 +93,39 @@ class GsdStats:
         )
 
 
+PHASE_TIMERS = frozenset(("target_forward_us", "draft_step_us", "draft_model_us", "draft_logits_us",
+                          "verify_us", "kv_compaction_us"))
+
+
+def decodes_only(scheduler_output) -> bool:
+    """Every request of the step decoded (its root plus its draft tokens, no prompt tokens)."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    return all(n == 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
+
+
 class GsdMetrics:
-    """Accumulates GsdStats in a worker and exports them."""
+    """Accumulates GsdStats in a worker and exports them. A step runs from the runner's
+    execute_model (`begin_step`) to the drafter's `step_done`."""
 
     def __init__(self) -> None:
         self.stats = GsdStats()
         self._counters = None
         self._exported = GsdStats()
         self._last_log = time.monotonic()
+        self._decode_step = True
+
+    def begin_step(self, scheduler_output) -> None:
+        self._decode_step = decodes_only(scheduler_output)
 
     def add(self, **increments: int) -> None:
         for name, value in increments.items():
+            if name in PHASE_TIMERS and not self._decode_step:
+                continue
             setattr(self.stats, name, getattr(self.stats, name) + int(value))
 
     def step_done(self) -> None:
         self.stats.steps += 1
+        self.stats.decode_steps += self._decode_step
         self._export()
         now = time.monotonic()
         if now - self._last_log >= LOG_INTERVAL_S and self.stats.trees_verified:

@@ -49,7 +49,7 @@ from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.engine.cost_calibration import budget_cost_curves
 from vllm_gsd.engine.draft_kv import DraftKvLedger, DraftProgress
 from vllm_gsd.engine.eligibility import tree_refusal_reason
-from vllm_gsd.engine.metrics import GsdStats
+from vllm_gsd.engine.metrics import GsdStats, decodes_only
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.sampling import is_sampled, noise_key, processed_scores
 from vllm_gsd.engine.scorer import rows_per_chunk
@@ -194,7 +194,7 @@ class GsdProposer(DraftModelProposer):
         # calls of the tree path): it measures no arm.
         first_draft = depth > 0 and not self._drafted_before
         self._drafted_before |= depth > 0
-        if self.referee is not None and _all_decodes(scheduler_output) and not partially and not first_draft:
+        if self.referee is not None and decodes_only(scheduler_output) and not partially and not first_draft:
             tokens = sum(len(t) for t in valid_sampled_token_ids)
             self.referee.observe(depth, len(valid_sampled_token_ids), tokens,
                                  max(step_seconds - excess, 0.25 * step_seconds),
@@ -205,8 +205,10 @@ class GsdProposer(DraftModelProposer):
             us = int(step_seconds * 1e6)
             if speculative:
                 stats.speculative_step_us, stats.speculative_step_tokens = us, tokens
+                stats.speculative_steps_timed = 1
             else:
                 stats.plain_step_us, stats.plain_step_tokens = us, tokens
+                stats.plain_steps_timed = 1
 
     def _record(self, stats: GsdStats) -> None:
         """Add this step's drafting figures to the worker's GSD metrics."""
@@ -691,12 +693,6 @@ def _predicted_rate(decision, depth: int) -> float | None:
     if decision.tokens is None or depth == 0 or np.isnan(decision.tokens[depth]):
         return None
     return float(decision.tokens[depth] / decision.seconds[depth])
-
-
-def _all_decodes(scheduler_output) -> bool:
-    """Every request of the step decoded (its root plus its draft tokens, no prompt tokens)."""
-    spec = scheduler_output.scheduled_spec_decode_tokens
-    return all(n == 1 + len(spec.get(r, ())) for r, n in scheduler_output.num_scheduled_tokens.items())
 
 
 def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:

@@ -133,6 +133,7 @@ def wrap_execute_model(original):
         if not _gsd_runner(self):
             return original(self, scheduler_output, *args, **kwargs)
         started = time.perf_counter()
+        self.gsd.metrics.begin_step(scheduler_output)
         verified_trees = bool(scheduler_output.scheduled_spec_decode_tokens)
         try:
             return original(self, scheduler_output, *args, **kwargs)
