@@ -107,6 +107,17 @@ def test_draft_with_other_vocabulary_is_refused(models):
     assert "vocabulary" in str(err.value) and "speculative_config.model" in str(err.value)
 
 
+def test_gsd_target_has_the_chains_compile_key(models):
+    """A first gsd start loads the target a draft_model engine compiled (and the chain gsd's):
+    vLLM keys compiled models by this hash. A data-parallel flag the user sets is kept."""
+    chain = {"method": "draft_model", "model": models["draft"], "num_speculative_tokens": 4}
+    gsd = engine_config(models, gsd_spec(models))
+    assert gsd.scheduler_config.async_scheduling is False
+    assert gsd.compute_hash() == engine_config(models, chain).compute_hash()
+    kept = engine_config(models, gsd_spec(models), disable_nccl_for_dp_synchronization=False)
+    assert kept.parallel_config.disable_nccl_for_dp_synchronization is False
+
+
 def test_gsd_block_needs_gsd_method(models):
     with pytest.raises(Exception) as err:
         engine_config(models, {"method": "draft_model", "model": models["draft"],

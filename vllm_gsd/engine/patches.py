@@ -101,7 +101,7 @@ def _wrap_v2_unsupported(original):
 
 
 def _wrap_vllm_config_post_init(original):
-    """Refuse, by name, the settings the GSD path cannot run under."""
+    """Refuse, by name, the settings the GSD path cannot run under; settle the rest for gsd."""
 
     @functools.wraps(original)
     def __post_init__(self):
@@ -125,6 +125,7 @@ def _wrap_vllm_config_post_init(original):
                 )
             _refuse_unsupported_features(self)
             _select_gsd_attention(self)
+            _keep_the_targets_compile_key(self.parallel_config)
         return original(self)
 
     return __post_init__
@@ -140,6 +141,21 @@ def _wrap_num_lookahead_tokens(original: property) -> property:
         return original.fget(self)
 
     return property(num_lookahead_tokens, doc=original.__doc__)
+
+
+def _keep_the_targets_compile_key(parallel_config) -> None:
+    """Let gsd load the target that a plain or draft_model engine compiled, and vice versa.
+
+    vLLM turns async scheduling off for gsd and, following it, sets
+    disable_nccl_for_dp_synchronization=False where async scheduling would have set True. The
+    flag is a factor of the compile-cache key but acts only in data-parallel synchronization, so
+    with one data-parallel rank it is set as under vLLM's defaults: the target's key then differs
+    from a draft_model engine's by nothing, and a first start loads the compiled model instead of
+    compiling it again (about a minute of a 2-core start). A value the user set is kept.
+    """
+    if (parallel_config.data_parallel_size == 1
+            and parallel_config.disable_nccl_for_dp_synchronization is None):
+        parallel_config.disable_nccl_for_dp_synchronization = True
 
 
 def _refuse_unsupported_features(vllm_config) -> None:
@@ -296,7 +312,8 @@ CONFIG_PATCHES = [
     ),
     Patch(
         target="vllm.config.vllm:VllmConfig.__post_init__",
-        why="refuse async scheduling, MRV2 and pipeline parallelism with gsd, by name",
+        why="refuse async scheduling, MRV2 and pipeline parallelism with gsd, by name; pick the "
+            "attention backend; key the target's compiled model as a draft_model engine's",
         scope="config",
         wrap=_wrap_vllm_config_post_init,
     ),
