@@ -512,40 +512,40 @@ def test_referee_averages_an_arms_first_steps_evenly():
     assert seconds[1] == pytest.approx(0.2 * 4 ** (1 / 3), rel=0.01)
 
 
-def test_referee_does_not_walk_a_load_whose_catch_up_costs_more_than_a_drafted_step():
+def test_referee_does_not_walk_a_load_whose_catch_up_costs_more_than_the_walk():
     """Eight requests fresh from their prompts: the draft would first catch up on every prompt
-    (here 1.2 s, against 0.5 s a drafted step; on 2 cores 3.5 s against 1.2 s). The model rates
-    drafting 0.6x plain: drafting is left to the bounded retries, which count the catch-up, not
-    walked at once."""
+    (here 4 s, against 0.5 s a drafted step). The model rates drafting 0.6x plain: drafting is
+    left to the bounded retries, which count the catch-up, not walked at once."""
     referee, world = _referee(), _World(0.1, {d: (3.0, 0.5) for d in range(1, 5)}, {d: (3.0, 0.5) for d in range(1, 5)})
     arms = collections.Counter()
     for _ in range(60):
         tokens, predicted = world.prediction()
-        depth, _ = referee.choose(8, tokens, predicted, catch_up_seconds=1.2)
+        depth, _ = referee.choose(8, tokens, predicted, catch_up_seconds=4.0)
         arms[depth] += 1
         referee.observe(depth, 8, 1.0 if depth == 0 else 3.0, 0.1 if depth == 0 else 0.5, tokens[depth], predicted[depth])
     assert arms[0] == 60, arms
 
 
-def test_referee_stops_a_walk_whose_first_step_measures_a_loss():
+def test_referee_does_not_walk_a_draft_the_model_rates_below_half_the_plain_rate():
     """Batch 8 on 2 cores, as logged: plain steps 0.19 s; a drafted step 1.2 s for about 3.6
     tokens per request (0.57x plain), which the model, from its first trees, rated 0.37x to
-    0.45x. Rated below half the plain rate, drafting is not walked at all; rated 0.57x, the first
-    drafted step measures the loss and the walk ends there (it used to measure 3 steps at each of
-    the depths next to the best: 6 to 9 steps of 1.2 s). Then drafting is only retried at the
-    bounded cost."""
+    0.45x. Drafting is not walked (under a bar of a quarter of the plain rate it was: 6 to 9
+    steps of 1.2 s), only retried at the bounded cost. A walk that starts where the model is
+    hopeful (0.6x) ends at its first step if that measures below half the plain rate."""
     truth = {d: (2.0 + 0.4 * d, 0.6 + 0.15 * d) for d in range(1, 5)}
-    for model_share, walked in ((0.8, 0), (1.0, 1)):
+    hopeful_truth = {d: (t, 1.5 * s) for d, (t, s) in truth.items()}  # 0.38x
+    for world_truth, model_share, walked in ((truth, 0.8, 0), (hopeful_truth, 1.0, 1)):
         model = {d: (model_share * t, s) for d, (t, s) in truth.items()}
         for seed in range(6):
-            arms, seconds, plain_seconds = _World(0.19, truth, model, seed=seed).run(_referee(), 200, num_requests=8)
+            arms, seconds, plain_seconds = _World(0.19, world_truth, model, seed=seed).run(_referee(), 200, num_requests=8)
             assert sum(n for d, n in arms.items() if d) == walked, (model_share, seed, arms)
-            assert seconds <= plain_seconds + walked * 1.2, (model_share, seed, arms)
+            assert seconds <= plain_seconds + walked * 1.8, (model_share, seed, arms)
 
 
 def test_referee_walks_on_while_the_measured_rate_is_near_plain():
-    """Drafting measures 0.9x plain (the model says 0.6x): within keep_walking_share, so the
-    depths next to it are still measured (one of them may pay), and the run loses little."""
+    """Drafting measures 0.9x plain (the model says 0.6x): the depths next to it are still
+    measured (one of them may pay; at one request a walk keeps the estimates fresh after a few
+    poor trees), and the run loses little."""
     truth = {d: (3.0, 0.3 / 0.9) for d in range(1, 5)}
     model = {d: (3.0, 0.5) for d in range(1, 5)}
     arms, seconds, plain_seconds = _World(0.1, truth, model, swing=0.0).run(_referee(), 400)

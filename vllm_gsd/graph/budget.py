@@ -504,14 +504,13 @@ class WallClockReferee:
     measured `min_steps` times each, at once (so drafting is judged on steps of its own, not on
     the model's first trees, and a depth the model misjudges is left within a few steps, level by
     level, even in a short run), unless drafting runs below `walk_share` of the plain rate (a
-    draft that cannot pay is not walked), below `keep_walking_share` of it once this load has
-    measured drafted steps of its own (a walk that measures a loss stops after its first step,
-    not after min_steps steps of each of three depths: at 8 requests on 2 cores that was nine
-    steps of 1.2 s against 0.19 s plain ones), the load has drafted no step yet and starts from
+    draft that cannot pay is not walked: at 8 requests on 2 cores the model rated drafting at
+    0.37-0.45x plain, and a walk there, under a bar of a quarter, cost nine steps of 1.2 s
+    against 0.19 s plain ones and the draft's catch-up on eight prompts; the bar is not raised
+    further, since at one request a walk is what keeps the estimates fresh when a few poor trees
+    make drafting look slower than it is), the load has drafted no step yet and starts from
     a lighter load's measurement, or the draft's catch-up on the tokens it missed would cost more
-    than a drafted step (requests fresh from their prompts: at a heavy load the draft's catch-up
-    on them costs several drafted steps, and a walk that starts there pays it before it measures
-    anything). Then the arms next to the best
+    than the walk's steps. Then the arms next to the best
     (one level shallower and deeper, and plain) are tried again once the steps since their last
     try have taken long enough that one more step of theirs costs at most `explore_share` of
     that time (about one step in `1 / explore_share` for each; a drafted try also pays the
@@ -523,9 +522,9 @@ class WallClockReferee:
 
     def __init__(self, max_depth: int, min_steps: int = 3, explore_share: float = 0.01,
                  smoothing: float = 0.1, prior_steps: float = 2.0, yield_window: float = 30.0,
-                 walk_share: float = 0.5, keep_walking_share: float = 0.8) -> None:
+                 walk_share: float = 0.5) -> None:
         self.max_depth, self.min_steps, self.explore_share = max_depth, min_steps, explore_share
-        self.walk_share, self.keep_walking_share = walk_share, keep_walking_share
+        self.walk_share = walk_share
         self._smoothing, self._prior_steps = smoothing, prior_steps
         self._yield_keep = 1.0 - 1.0 / yield_window
         self._buckets: dict[int, _ArmStats] = {}
@@ -589,23 +588,6 @@ class WallClockReferee:
                    if b < self.bucket(num_requests) and arms.drafted_steps > 0]
         return max(lighter) if lighter else None
 
-    def _walk_pays(self, arms: _ArmStats, rates: np.ndarray, model_rates: np.ndarray) -> bool:
-        """Whether drafting is near enough plain decoding to be walked, by rates [max_depth + 1]
-        (index 0: plain) corrected and as the model has them. Before a drafted step of this load's
-        own, the model's guess is all there is, and its first trees underrate a small draft: a
-        wide margin (which the corrected rate must keep). After one, a walk goes on only while
-        the model or the measured steps rate drafting near plain: where the model promises a gain that a step did not show, the
-        depths next to it settle which is wrong (the model may rank the depths' costs wrongly);
-        where both say drafting loses, another step would only lose again."""
-        def share(r: np.ndarray) -> float:
-            drafted = r[1:][~np.isnan(r[1:])]
-            return float(drafted.max() / r[0]) if drafted.size else 0.0
-
-        measured = share(rates)
-        if not arms.drafted_steps or measured < self.walk_share:
-            return measured >= self.walk_share
-        return max(measured, share(model_rates)) >= self.keep_walking_share
-
     @staticmethod
     def _drafted_log_cost(arms: _ArmStats) -> np.ndarray:
         """float64 [max_depth]: a bucket's log measured/predicted seconds of depths 1.., a depth
@@ -628,7 +610,6 @@ class WallClockReferee:
         arms = self._arms(num_requests)
         if arms.count[0] < self.min_steps:
             return 0, "measuring plain steps first"
-        model_rates = tokens / seconds
         tokens, seconds = self.corrected(num_requests, tokens, seconds)
         rates = tokens / seconds
         best = int(np.nanargmax(rates))
@@ -640,12 +621,11 @@ class WallClockReferee:
         # step, and a depth the model misjudges is left within a few steps (a walk from depth to
         # depth), not a few hundred. Unless drafting is far behind plain steps, this load has
         # drafted no step and starts from a lighter load's measurement, or the draft would first
-        # catch up on more than a drafted step costs (every request's plain streak or prompt, at
-        # a heavy load): then drafting is only tried at the bounded cost below, which counts the
-        # catch-up.
+        # catch up on more than the walk's steps cost (every request's plain streak or prompt, at
+        # a heavy load): then drafting is only tried at the bounded cost below, which counts it.
         drafted = 1 + int(np.nanargmax(rates[1:])) if not np.isnan(rates[1:]).all() else 0
-        if (drafted and self._borrows(num_requests) is None and self._walk_pays(arms, rates, model_rates)
-                and catch_up_seconds <= seconds[drafted]):
+        if (drafted and self._borrows(num_requests) is None and rates[drafted] >= self.walk_share * rates[0]
+                and catch_up_seconds <= self.min_steps * seconds[drafted]):
             for depth in (drafted, drafted - 1, drafted + 1):
                 if 1 <= depth <= self.max_depth and not np.isnan(rates[depth]) and arms.count[depth] < self.min_steps:
                     return depth, f"{figures}: measuring depth {depth}"
