@@ -531,7 +531,7 @@ def test_referee_does_not_walk_a_draft_the_model_rates_below_half_the_plain_rate
     tokens per request (0.57x plain), which the model, from its first trees, rated 0.37x to
     0.45x. Drafting is not walked (under a bar of a quarter of the plain rate it was: 6 to 9
     steps of 1.2 s), only retried at the bounded cost. A walk that starts where the model is
-    hopeful (0.6x) ends at its first step if that measures below half the plain rate."""
+    hopeful (0.57x) ends at its first step if that measures below half the plain rate."""
     truth = {d: (2.0 + 0.4 * d, 0.6 + 0.15 * d) for d in range(1, 5)}
     hopeful_truth = {d: (t, 1.5 * s) for d, (t, s) in truth.items()}  # 0.38x
     for world_truth, model_share, walked in ((truth, 0.8, 0), (hopeful_truth, 1.0, 1)):
