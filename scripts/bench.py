@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleave", action="store_true",
                         help="run each configuration's engine beside one of no speculation and generate "
                              "each prompt group with both in turn (this VM's speed drifts within minutes)")
+    parser.add_argument("--int8-draft", action="store_true",
+                        help="every configuration drafts with the int8 (W8A8) copy of the pair's draft "
+                             "(vllm_gsd/quantize_draft.py)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)
@@ -398,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.interleave else "4")
     batches = [int(b) for b in args.batches.split(",")]
     pair = resolve_pair(args.pair, args.num_prompts, args.prompt_offset)
+    if args.int8_draft:
+        from vllm_gsd.testing.real_models import int8_draft
+
+        pair.draft = str(int8_draft(Path(pair.draft)))
 
     prompt_ids = prompt_token_ids(pair, args.max_tokens)
     configs = configurations(pair, args.depth)

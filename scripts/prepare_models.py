@@ -3,7 +3,8 @@
 
     scripts/prepare_models.py --pair qwen|smollm|all [--verify] [--check-vllm]
 
-Prints `<pair> target <dir>` and `<pair> draft <dir>` lines (and, on a terminal, progress bars
+Prints `<pair> target <dir>` and `<pair> draft <dir>` lines (qwen: also `qwen draft int8 <dir>`,
+the draft's W8A8 copy the demo drafts with) (and, on a terminal, progress bars
 on stderr while downloading, checking and converting). Idempotent: what is in the cache
 ($VLLM_GSD_CACHE or ~/.cache/vllm-gsd) is reused; the GGUF checksums are verified when it is
 assembled and again with --verify. First run for qwen: ~1.6 GB download, ~3 min to convert.
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         pair = real_models.prepare_pair(name, verify=args.verify, progress=sys.stderr.isatty())
         print(f"{name} target {pair.target}")
         print(f"{name} draft {pair.draft}")
+        if name == "qwen":  # the demo's and benchmarks' int8 draft (vllm_gsd/quantize_draft.py)
+            print(f"{name} draft int8 {real_models.int8_draft(pair.draft)}")
         print(f"{name} ready in {time.perf_counter() - start:.1f} s", flush=True)
         if args.check_vllm:
             start = time.perf_counter()

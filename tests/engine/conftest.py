@@ -20,11 +20,15 @@ from vllm_gsd.testing.engines import GSD_KNOBS, WIDE_GSD, gsd_config, make_llm  
 
 
 @pytest.fixture(scope="session")
-def tiny_models():
+def tiny_models(tmp_path_factory):
+    from vllm_gsd.quantize_draft import quantize_checkpoint
     from vllm_gsd.testing.tiny_models import tiny_draft, tiny_target
 
+    perturbed_int8 = tmp_path_factory.mktemp("drafts") / "perturbed-int8"
+    quantize_checkpoint(tiny_draft("perturbed"), perturbed_int8)
     return {"target": str(tiny_target()), "perturbed": str(tiny_draft("perturbed")),
-            "same": str(tiny_draft("same")), "short": str(tiny_draft("short"))}
+            "same": str(tiny_draft("same")), "short": str(tiny_draft("short")),
+            "perturbed_int8": str(perturbed_int8)}
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +69,8 @@ class _Engines:
             elif name == "gsd_wide":
                 llm = make_llm(target, gsd_config(self.models["perturbed"], WIDE_GSD["num_speculative_tokens"],
                                                   **WIDE_GSD["gsd"]))
+            elif name == "gsd_int8":
+                llm = make_llm(target, gsd_config(self.models["perturbed_int8"]))
             elif name == "gsd_same":
                 llm = make_llm(target, gsd_config(self.models["same"]))
             elif name == "gsd_no_prefix_cache":

@@ -116,6 +116,18 @@ def test_max_tokens_one_and_stop_strings(engines, tokenizer):
             == generate_ids(engines.get("target"), prompts, params))
 
 
+def test_an_int8_draft_keeps_the_target_s_output(engines, tokenizer):
+    """scripts/quantize_draft.py's W8A8 copy of the draft, loaded by vLLM's compressed-tensors
+    path: it only proposes, so the output is still the target's, and its proposals are accepted."""
+    prompts = token_prompts(tokenizer, CODE_PROMPTS)
+    params = [greedy(8 + 7 * i) for i in range(len(prompts))]
+    llm = engines.get("gsd_int8")
+    assert llm.llm_engine.vllm_config.speculative_config.draft_model_config.quantization == "compressed-tensors"
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == generate_ids(engines.get("target"), prompts, params)
+    assert mean_acceptance_length_of(outputs) >= 2.0
+
+
 def test_identical_draft_accepts_deep_paths(engines, tokenizer):
     """With draft == target every greedy path is in the tree: acceptance far beyond 1 token."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS[:4])

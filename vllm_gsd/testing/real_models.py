@@ -414,6 +414,14 @@ def qwen_pair(verify: bool = False) -> ModelPair:
     )
 
 
+def int8_draft(draft: Path) -> Path:
+    """Return the int8 (compressed-tensors W8A8) copy of the draft directory `draft`, writing it
+    beside the original the first time (vllm_gsd/quantize_draft.py; a few seconds)."""
+    from vllm_gsd.quantize_draft import quantize_checkpoint
+
+    return build_once(draft.with_name(f"{draft.name}-w8a8"), lambda out: quantize_checkpoint(draft, out))
+
+
 def smollm_draft_layers(
     drop: tuple[int, int] = SMOLLM_DRAFT_DROP, num_layers: int = 30
 ) -> list[int]:
