@@ -98,6 +98,9 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
         "draft_model_k6": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 6},
         # What users get: the README's `LLM(...)` example (adaptive budget, default knobs).
         "gsd": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24},
+        # The same with the draft's LM head as loaded (on CPU the default runs an int8 copy of it).
+        "gsd_model_head": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
+                           "gsd": {"int8_draft_head": False}},
         # The adaptive node budget with the benchmark's smaller tree knobs (N = 24).
         "gsd_tree": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                      "gsd": {**gsd_knobs, "merge_ngram": -1}},

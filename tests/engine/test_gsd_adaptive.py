@@ -131,6 +131,8 @@ def test_a_draft_too_slow_to_pay_stops_speculation_by_measured_step_times(tiny_m
     llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"], **_knobs()),
                    worker_extension_cls=WORKER_PROBES)
     try:
+        # The default head on CPU (engine/draft_head.py), whose cost the slowed forwards include.
+        assert [w["draft_head"] for w in llm.collective_rpc("gsd_test_worker_info")] == ["Int8DraftHead"]
         llm.collective_rpc("gsd_test_slow_draft", args=(0.04,))
         prompts = _token_prompts(tokenizer, 16)
         got, delta = [], None

@@ -117,6 +117,8 @@ def test_ray_executor_gsd_equals_target(target_outputs, ray_cluster, tiny_models
     for w in workers:
         assert (w["platform"], w["plugin_registered"], w["method"], w["drafter"]) == (
             "RayCpuPlatform", True, "gsd", "GsdProposer"), w
+        # One rank runs the draft's LM head from its int8 copy; split across ranks, as loaded.
+        assert w["draft_head"] == ("Int8DraftHead" if tp == 1 else "method"), w
     # GSD verified trees in every Ray worker, and every rank built and verified the same trees
     # (the timing figures differ per rank, the counts must not).
     assert counts[0]["trees_verified"] > 0

@@ -9,7 +9,8 @@ User-facing contract::
         "gsd": {"top_k": 4, "max_depth": 6, "merge_ngram": 1,
                 "min_child_ratio": 0.2, "leaf_prob": 0.05,
                 "adaptive": True,           # node budget and depth chosen per step by load
-                "cost_curve": None},        # measured at start-up, or {"target": [[q, s], ...], "draft": ...}
+                "cost_curve": None,         # measured at start-up, or {"target": [[q, s], ...], "draft": ...}
+                "int8_draft_head": True},   # CPU: the draft's LM head from an int8 copy of its weight
     }
 
 `GsdConfig` validates the block (pydantic: every bad value fails with the field's name and its
@@ -78,6 +79,9 @@ class GsdConfig(BaseModel):
     levels and verify up to the node budget."""
     cost_curve: CostCurveConfig | None = None
     """Forward times by query tokens for the adaptive budget; None = measured at start-up."""
+    int8_draft_head: bool = True
+    """On a CPU, run the draft's LM head from an int8 copy of its weight (engine/draft_head.py):
+    half the bytes a draft level reads there. Only proposals change; the target verifies."""
 
     def graph_params(self, node_budget: int) -> GraphParams:
         """The graph core's parameters for these knobs and node budget N."""

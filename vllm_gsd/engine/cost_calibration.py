@@ -47,9 +47,10 @@ def budget_cost_curves(runner, proposer, configured) -> tuple[CostCurve, CostCur
     block_size = runner.input_batch.block_table[proposer.kv_cache_gid].block_size
     target_groups = [group for groups in runner.attn_groups for group in groups]
     started = time.perf_counter()
-    target = _measure(runner.model, runner.vllm_config, runner.device, tokens,
+    target = _measure(runner.model, runner.model.compute_logits, runner.vllm_config, runner.device, tokens,
                       _Scratch(target_groups, block_size, context))
-    draft = _measure(proposer.model, proposer.vllm_config, proposer.device, tokens,
+    # The draft's head as the drafter runs it (engine/draft_head.py).
+    draft = _measure(proposer.model, proposer.draft_head, proposer.vllm_config, proposer.device, tokens,
                      _Scratch(proposer.draft_attn_groups, block_size, context))
     target, draft = _from_rank_zero(runner, (target, draft))
     logger.info("gsd: adaptive node budget, measured in %.1f s: target forward %s, draft forward %s "
@@ -89,18 +90,18 @@ class _Scratch:
         return metadata, slots, positions
 
 
-def _measure(model, vllm_config, device, tokens: list[int], scratch: _Scratch) -> list[float]:
-    """Best wall time of one forward (with logits of every row) for each token count."""
-    _time_forward(model, vllm_config, device, tokens[0], scratch)  # warm-up (allocator, lazy init)
+def _measure(model, head, vllm_config, device, tokens: list[int], scratch: _Scratch) -> list[float]:
+    """Best wall time of one forward (with `head`'s logits of every row) for each token count."""
+    _time_forward(model, head, vllm_config, device, tokens[0], scratch)  # warm-up (allocator, lazy init)
     times = []
     for q in tokens:
         repeats = 2 if q < REPEATS_BELOW else 1
-        times.append(min(_time_forward(model, vllm_config, device, q, scratch) for _ in range(repeats)))
+        times.append(min(_time_forward(model, head, vllm_config, device, q, scratch) for _ in range(repeats)))
     return times
 
 
 @torch.inference_mode()
-def _time_forward(model, vllm_config, device, num_tokens: int, scratch: _Scratch) -> float:
+def _time_forward(model, head, vllm_config, device, num_tokens: int, scratch: _Scratch) -> float:
     input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)
     metadata, slots, positions = scratch.forward_inputs(num_tokens, device)
     synchronize(device)
@@ -109,7 +110,7 @@ def _time_forward(model, vllm_config, device, num_tokens: int, scratch: _Scratch
         hidden_states = model(input_ids=input_ids, positions=positions)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
-        model.compute_logits(hidden_states)
+        head(hidden_states)
     synchronize(device)
     return time.perf_counter() - started
 

@@ -47,6 +47,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.engine.cost_calibration import budget_cost_curves
+from vllm_gsd.engine.draft_head import DraftHead, draft_head
 from vllm_gsd.engine.draft_kv import DraftKvLedger, DraftProgress
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats, decodes_only
@@ -138,7 +139,12 @@ class GsdProposer(DraftModelProposer):
         self._curve_seconds = 0.0  # this step's draft forwards, by the draft's cost curve
         self._refusals_logged: set[str] = set()
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
+        self.draft_head: DraftHead | None = None  # the draft's LM head, once the draft is loaded
         warm_up()  # the graph core's compiled kernels, before the first request needs them
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        self.draft_head = draft_head(self.model, self.vllm_config, self.speculative_config.gsd.int8_draft_head)
 
     def prepare_policy(self, runner) -> None:
         """Build the adaptive node budget (after the KV cache exists: it may time forwards)."""
@@ -638,7 +644,7 @@ class GsdProposer(DraftModelProposer):
             sampled = np.asarray([candidates[b].sampling is not None for b in request_index], dtype=bool)
         chunk = rows_per_chunk(self._vocab_size)
         for lo in range(0, hidden.shape[0], chunk):
-            logits = self.model.compute_logits(hidden[lo:lo + chunk])
+            logits = self.draft_head(hidden[lo:lo + chunk])
             rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
             greedy = rows[~sampled[rows]]
             if greedy.size:

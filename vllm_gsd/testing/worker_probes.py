@@ -65,6 +65,8 @@ class WorkerProbes:
             "method": spec.method if spec is not None else None,
             "node_budget": spec.num_speculative_tokens if spec is not None else None,
             "drafter": type(getattr(self.model_runner, "drafter", None)).__name__,
+            # engine/draft_head.py: "Int8DraftHead", or "method" (the model's own compute_logits)
+            "draft_head": type(getattr(getattr(self.model_runner, "drafter", None), "draft_head", None)).__name__,
         }
 
     def gsd_test_skew_trees(self, tp_rank: int) -> bool:
