@@ -53,7 +53,8 @@ def test_gsd_config_is_accepted_with_defaults(models):
 def test_gsd_knobs_are_taken(models):
     knobs = {"top_k": 2, "max_depth": 3, "merge_ngram": -1, "min_child_ratio": 0.0,
              "leaf_prob": 0.25, "adaptive": True,
-             "cost_curve": {"target": [(1, 0.1), (16, 0.2)], "draft": [(1, 0.03)]}}
+             "cost_curve": {"target": [(1, 0.1), (16, 0.2)], "draft": [(1, 0.03)]},
+             "int8_draft_head": False}
     spec = engine_config(models, gsd_spec(models, gsd=knobs)).speculative_config
     assert spec.gsd.model_dump() == knobs
 
@@ -70,6 +71,7 @@ def test_gsd_knobs_are_taken(models):
         ({"leaf_prob": 1.0}, "gsd.leaf_prob"),
         ({"width": 3}, "gsd.width"),
         ({"adaptive": "sometimes"}, "gsd.adaptive"),
+        ({"int8_draft_head": "sometimes"}, "gsd.int8_draft_head"),
         ({"top_k": True}, "gsd.top_k"),
         ({"leaf_prob": False}, "gsd.leaf_prob"),
         ({"cost_curve": {"target": [[0, 0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),

@@ -4,7 +4,6 @@ oneDNN W8A8 GEMM; and the fallback to the model's own head where the int8 copy w
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,12 +61,3 @@ def test_quantize_rows_bounds():
     q, scale = quantize_rows(weight)
     assert q.dtype == torch.int8 and q[0].tolist() == [0, 0] and q[1, 0] == 127 and q[2, 0] == -127
     assert torch.allclose(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2)
-
-
-@pytest.mark.parametrize("knob", [True, False])
-def test_the_knob_reaches_the_config(knob):
-    from vllm_gsd.engine.config import GsdConfig
-
-    assert GsdConfig(int8_draft_head=knob).int8_draft_head is knob
-    with pytest.raises(ValueError, match="int8_draft_head"):
-        GsdConfig(int8_draft_head="yes please")

@@ -72,7 +72,7 @@ def int8_head_refusal(model, vllm_config) -> str | None:
 
     lm_head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if not current_platform.is_cpu():
-        return "not a CPU (the GPU's head is not what a step waits on)"
+        return "not a CPU (the int8 head is vLLM's oneDNN GEMM, a CPU kernel)"
     if not ops._supports_onednn:
         return "vLLM's CPU build has no oneDNN GEMM"
     if lm_head is None or processor is None or not hasattr(lm_head, "weight"):
