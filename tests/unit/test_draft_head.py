@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.engine.draft_head import Int8DraftHead, head_error, quantize_rows
+from vllm_gsd.engine.draft_head import Int8DraftHead, head_error
+from vllm_gsd.quantize_draft import quantize_per_channel
 
 
 def _reference(weight: torch.Tensor, hidden: torch.Tensor, vocab: int, scale: float) -> torch.Tensor:
@@ -28,7 +29,7 @@ def test_int8_head_matches_the_head_within_rounding(vocab, padding, hidden_size,
     expected = _reference(weight, hidden, vocab, scale)
     # Weight rounding (half a step per entry) and the hidden rows' own int8 rounding, summed over
     # the hidden size; bf16 output adds its own rounding.
-    _, row_scales = quantize_rows(weight[:vocab])
+    row_scales = quantize_per_channel(weight[:vocab])[1].squeeze(1)
     hidden_step = hidden.float().abs().amax(dim=1, keepdim=True) / 127
     bound = (0.5 * row_scales[None, :] * hidden.float().abs().sum(dim=1, keepdim=True)
              + 0.5 * hidden_step * weight[:vocab].float().abs().sum(dim=1)[None, :]) * scale
@@ -54,10 +55,3 @@ def test_head_error_tells_rounding_from_another_function():
     assert head_error(head, scaled, 32, torch.bfloat16) > 0.5
     padded = lambda h: torch.nn.functional.linear(h, torch.cat([weight, weight[:3]]))  # noqa: E731
     assert head_error(head, padded, 32, torch.bfloat16) == float("inf")
-
-
-def test_quantize_rows_bounds():
-    weight = torch.tensor([[0.0, 0.0], [1.0, -0.5], [-3.0, 2.0]])
-    q, scale = quantize_rows(weight)
-    assert q.dtype == torch.int8 and q[0].tolist() == [0, 0] and q[1, 0] == 127 and q[2, 0] == -127
-    assert torch.allclose(q.float() * scale[:, None], weight, atol=float(scale.max()) / 2)

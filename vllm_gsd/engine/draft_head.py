@@ -26,18 +26,11 @@ from collections.abc import Callable
 import torch
 
 from vllm_gsd.engine import LOGGER_NAME
+from vllm_gsd.quantize_draft import quantize_per_channel
 
 logger = logging.getLogger(LOGGER_NAME)
 
 DraftHead = Callable[[torch.Tensor], torch.Tensor]
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of a [V, H] weight: (int8 [V, H], float32 scales [V]),
-    weight ~= q * scale[:, None]."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
 class Int8DraftHead:
@@ -50,7 +43,9 @@ class Int8DraftHead:
         # oneDNN takes the [H, V] operand as a transposed view of the row-major [V, H] weight
         # (dynamic per-row activation scales, symmetric: no zero points). The handler may read
         # the weight and its scales where they lie, so they live as long as it does.
-        self._weight, self._row_scales = quantize_rows(weight[:vocab_size])
+        # One scale per vocabulary row: the draft checkpoint's per-channel int8 (quantize_draft.py).
+        self._weight, row_scales = quantize_per_channel(weight[:vocab_size])
+        self._row_scales = row_scales.squeeze(1)  # float32 [V]
         self._handler = ops.create_onednn_scaled_mm(self._weight.t(), self._row_scales, dtype, True, False, 32)
         self.vocab_size, self.scale, self.dtype = vocab_size, scale, dtype
 
