@@ -41,6 +41,7 @@ class Row:
     output_tokens: int
     seconds: float
     tokens_per_s: float
+    tpot_ms: float | None = None  # decode time per output token after each request's first
     mean_acceptance_length: float | None = None
     draft_tokens_per_accepted: float | None = None
     nodes_per_step: float | None = None
@@ -52,6 +53,7 @@ class Row:
     identical_to_no_spec: bool | None = None
     identical_prompts: str | None = None  # "k/n": prompts whose output equals no speculation's, worst round
     ratio_to_no_spec: float | None = None
+    tpot_ratio: float | None = None  # no speculation's time per output token over this one's
     notes: str = ""
 
 
@@ -98,6 +100,9 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
         "draft_model_k6": {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": 6},
         # What users get: the README's `LLM(...)` example (adaptive budget, default knobs).
         "gsd": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24},
+        # The default knobs with a smaller node budget (the most nodes verified per request).
+        "gsd_n6": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 6},
+        "gsd_n9": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 9},
         # The same with the draft's LM head as loaded (on CPU the default runs an int8 copy of it).
         "gsd_model_head": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                            "gsd": {"int8_draft_head": False}},
@@ -129,8 +134,9 @@ def start_engine(pair: Pair, spec: dict | None, max_batch: int, mode: str = "def
     LLM's arguments)."""
     from vllm import LLM, SamplingParams
 
+    # Request stats on: their token timestamps give the decode time per token (tpot_of).
     llm = LLM(model=pair.target, dtype=pair.dtype, max_model_len=pair.max_model_len, seed=0,
-              max_num_seqs=max_batch, speculative_config=spec,
+              max_num_seqs=max_batch, speculative_config=spec, disable_log_stats=False,
               **({"enforce_eager": True} if mode == "eager" else {}),
               **({"per_request_spec_decode_metrics": "summary"} if spec else {}), **engine_args)
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
@@ -153,6 +159,16 @@ def generate_timed(llm, prompts: list, max_tokens: int) -> tuple[list, float]:
     return outs, time.perf_counter() - start
 
 
+def tpot_of(outs: list) -> float | None:
+    """Milliseconds per output token after the first, over all requests (vLLM's TPOT): the
+    decode phase alone, where the prompt's prefill (the same work with or without speculation)
+    is left out. None where the engine kept no request stats."""
+    spans = [(o.metrics.last_token_ts - o.metrics.first_token_ts, len(o.outputs[0].token_ids) - 1)
+             for o in outs if getattr(o, "metrics", None) is not None]
+    tokens = sum(n for _, n in spans)
+    return round(1e3 * sum(s for s, _ in spans) / tokens, 1) if spans and tokens else None
+
+
 def describe_run(name: str, spec: dict | None, batch: int, outs: list, seconds: float,
                  stats_before, stats_after) -> Row:
     """A Row from the outputs and time of a configuration at one batch size; stats_before/after:
@@ -161,7 +177,7 @@ def describe_run(name: str, spec: dict | None, batch: int, outs: list, seconds: 
 
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     total = sum(len(t) for t in tokens)
-    row = Row(name, batch, total, round(seconds, 2), round(total / seconds, 2))
+    row = Row(name, batch, total, round(seconds, 2), round(total / seconds, 2), tpot_of(outs))
     if not spec:
         return row
     drafts, accepted_drafts = acceptance_of(outs)
@@ -263,13 +279,18 @@ def _median_over_rounds(measured, reference, config: str, batch: int, rounds: in
     by_speed = sorted(mine, key=lambda m: m[1].tokens_per_s)
     row = by_speed[(len(by_speed) - 1) // 2][1]
     row.ratio_to_no_spec = round(statistics.median(ratios), 2)
+    base_tpot = {r: other.tpot_ms for r, other, _ in measured if other.config == "no_spec" and other.batch == batch}
+    tpot_ratios = [round(base_tpot[r] / mine_row.tpot_ms, 2) for r, mine_row, _ in mine
+                   if mine_row.tpot_ms and base_tpot.get(r)]
+    row.tpot_ratio = round(statistics.median(tpot_ratios), 2) if tpot_ratios else None
     if config != "no_spec":
         row.identical_to_no_spec = all(out == reference[batch] for _, _, out in mine)
         same = min(sum(a == b for a, b in zip(out, reference[batch])) for _, _, out in mine)
         row.identical_prompts = f"{same}/{len(reference[batch])}"
     if len(mine) > 1:
         row.notes = (f"runs: {', '.join(str(m[1].tokens_per_s) for m in mine)} tok/s; "
-                     f"x no-spec {', '.join(map(str, ratios))}")
+                     f"x no-spec {', '.join(map(str, ratios))}"
+                     + (f"; TPOT x no-spec {', '.join(map(str, tpot_ratios))}" if tpot_ratios else ""))
     return row
 
 
@@ -289,6 +310,9 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
             "ratio is the median over runs, the figures shown are the median run's"
             if meta.get("interleave") else "") + ".",
         "",
+        "TPOT: milliseconds per output token after each request's first (the decode phase; the "
+        "prompt's prefill, the same work in every configuration, left out); x no-spec (TPOT): no "
+        "speculation's TPOT over the configuration's. "
         "Draft tokens / accepted token: tokens the draft model computed per output token (GSD: "
         "catch-up plus every expanded graph row; counted by GSD only). "
         "Nodes / step: draft tokens the target verified per request per step (GSD: per tree). "
@@ -301,9 +325,10 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         "output identical to no speculation" + (" (bf16: vLLM's own output depends on the batch "
         "shape at near-ties; exactness is tested in float32)" if pair.dtype != "float32" else "") + ".",
         "",
-        "| config | batch | tok/s | x no-spec | mean acc. len | draft tok / accepted tok | nodes / step "
-        "| plain steps | step split ms | whole steps ms | merges | draft exp. saved | = no-spec |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| config | batch | tok/s | x no-spec | TPOT ms | x no-spec (TPOT) | mean acc. len "
+        "| draft tok / accepted tok | nodes / step | plain steps | step split ms | whole steps ms | merges "
+        "| draft exp. saved | = no-spec |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     fmt = lambda v: "" if v is None else str(v)  # noqa: E731
     for r in rows:
@@ -313,7 +338,7 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         whole = "" if not r.whole_step_ms else (
             f"{r.whole_step_ms['drafted']} ({r.whole_step_ms['drafted_tokens']}) / {fmt(r.whole_step_ms['plain'])}")
         lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
-                     f"{fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
+                     f"{fmt(r.tpot_ms)} | {fmt(r.tpot_ratio)} | {fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
                      f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {whole} | {fmt(r.merges)} | "
                      f"{fmt(r.draft_expansions_saved)} | {same} |")
     noted = [r for r in rows if r.notes]
@@ -361,8 +386,20 @@ def profiling_parser(description: str, mode: str, num_prompts: int) -> argparse.
     parser.add_argument("--mode", default=mode, choices=["default", "eager"])
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--prompt-offset", type=int, default=0, help="skip this many prompts of each set")
+    parser.add_argument("--int8-draft", action="store_true", help="draft with the int8 (W8A8) copy of the draft")
     parser.add_argument("--out", default=None)
     return parser
+
+
+def profiled_pair(args) -> Pair:
+    """The pair and prompts a profiling script's arguments name (see profiling_parser)."""
+    pair = resolve_pair(args.pair, args.num_prompts, args.prompt_offset)
+    if args.int8_draft:
+        from vllm_gsd.testing.real_models import int8_draft
+
+        pair.draft = str(int8_draft(Path(pair.draft)))
+    return pair
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,12 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     # GiB of KV cache per engine: interleaved engines share the machine's memory.
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.interleave else "4")
     batches = [int(b) for b in args.batches.split(",")]
-    pair = resolve_pair(args.pair, args.num_prompts, args.prompt_offset)
-    if args.int8_draft:
-        from vllm_gsd.testing.real_models import int8_draft
-
-        pair.draft = str(int8_draft(Path(pair.draft)))
-
+    pair = profiled_pair(args)
     prompt_ids = prompt_token_ids(pair, args.max_tokens)
     configs = configurations(pair, args.depth)
     if args.configs:

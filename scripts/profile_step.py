@@ -167,18 +167,20 @@ def render(pair, mode: str, results: list[dict], max_tokens: int, num_prompts: i
 
 
 def main() -> int:
-    from bench import configurations, emit, profiling_parser, resolve_pair
+    from bench import configurations, emit, profiled_pair, profiling_parser
 
     parser = profiling_parser(__doc__, mode="eager", num_prompts=2)
     parser.add_argument("--torch-profile", action="store_true")
     args = parser.parse_args()
-    pair = resolve_pair(args.pair, args.num_prompts)
+    pair = profiled_pair(args)
     configs = configurations(pair, 4)
     results = []
     for name in args.configs.split(","):
         print(f"[profile] {name}", flush=True)
         results.append(profile_config(pair, name, configs[name], pair.prompts, args.max_tokens, args.mode,
                                       args.torch_profile))
+        print(render(pair, args.mode, results[-1:], args.max_tokens, len(pair.prompts)).splitlines()[-1],
+              flush=True)  # a later engine may not start (memory): keep what was measured
     text = render(pair, args.mode, results, args.max_tokens, len(pair.prompts))
     emit(text, args.out)
     return 0

@@ -162,7 +162,8 @@ def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, m
         f"# Worker profile: {pair.name} pair, batch {batch}, "
         f"{'enforce_eager' if mode == 'eager' else 'vLLM default (compiled) mode'}", "",
         f"`scripts/profile_worker.py` ({time.strftime('%Y-%m-%d')}): vLLM's multiprocess engine, {num_prompts} "
-        f"prompts {batch} at a time x {max_tokens} new tokens, greedy, {pair.dtype}; py-spy sampled the "
+        f"prompts {batch} at a time x {max_tokens} new tokens, greedy, {pair.dtype}, draft "
+        f"`{Path(pair.draft).name}`; py-spy sampled the "
         "worker's main thread at 100 Hz (without pausing it), idle included. Milliseconds per engine step by phase (the phases "
         "add up to the step's wall time).", "",
         "| config | tok/s | tokens / step | mean acc. len | ms / step | " + " | ".join(phases) + " |",
@@ -188,7 +189,7 @@ def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, m
 
 
 def main() -> int:
-    from bench import configurations, emit, profiling_parser, resolve_pair
+    from bench import configurations, emit, profiled_pair, profiling_parser
 
     parser = profiling_parser(__doc__, mode="default", num_prompts=4)
     parser.add_argument("--batch", type=int, default=1)
@@ -196,7 +197,7 @@ def main() -> int:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(py_spy).exists():
         raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
-    pair = resolve_pair(args.pair, args.num_prompts)
+    pair = profiled_pair(args)
     configs = configurations(pair, 4)
     results = []
     for name in args.configs.split(","):

@@ -1,7 +1,7 @@
 """CPU_ATTN with the graph mask for tree rows (engine/graph_attention_backend.py's design).
 
-vLLM 0.32's C++ CPU kernel knows causal and non-causal masks only. Tree rows are attended with
-torch SDPA under the exact mask of docs/contracts.md (`vllm_gsd.kernels.graph_attention.
+vLLM 0.32's C++ CPU kernel knows causal and non-causal masks only. Tree rows are attended in
+float32 (`paged_tree_attention`) under the exact mask of docs/contracts.md (`vllm_gsd.kernels.graph_attention.
 visibility_mask`, the mask the Triton kernel is tested against), reading the paged cache: one
 batched call per layer over the tree requests, padded to the longest. What every layer of a
 forward shares (mask, KV pages to read, rows) is planned once, when the metadata is built.
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -39,14 +38,80 @@ class GsdCpuAttentionMetadata(CPUAttentionMetadata):
 class CpuTreePlan:
     """The tree requests' attention, shared by every layer of one forward.
 
-    Bt tree requests, each padded to Q query rows and P pages (S = P * block_size keys).
+    Bt tree requests, each padded to Q query rows and S = P * block_size keys (P pages).
     """
 
     token_index: torch.Tensor  # int64 [Bt, Q]: forward token of each padded query row
     row_valid: torch.Tensor  # bool [Bt, Q]
     pages: torch.Tensor  # int64 [Bt, P]: cache blocks of each request, in order
-    mask: torch.Tensor  # bool [Bt, 1, Q, S]
+    hidden: torch.Tensor  # bool [Bt, 1, 1, Q, S]: True = the row may not see the key
+    key_valid: torch.Tensor | None  # bool [Bt, 1, S, 1]: the key is one of its request's tokens
+    # (None: every key is, S being every request's length)
     covers_all_rows: bool
+
+
+def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: list[int], query_len: list[int],
+                  tree_base: list[int], query_tree_row: torch.Tensor, ancestor_words: torch.Tensor,
+                  block_size: int, covers_all_rows: bool) -> CpuTreePlan:
+    """The plan of `paged_tree_attention` for Bt tree requests: request b's query rows are the
+    forward's tokens query_start[b] + [0, query_len[b]), its KV the first seq_lens[b] slots of
+    its block_table row [Bt, >= P]; query_tree_row [T] and ancestor_words [Bt, R, W] as in
+    docs/contracts.md."""
+    num, max_q, num_keys = len(query_start), max(query_len), max(seq_lens)
+    token_index = torch.zeros((num, max_q), dtype=torch.int64)
+    row_valid = torch.zeros((num, max_q), dtype=torch.bool)
+    visible = torch.zeros((num, max_q, num_keys), dtype=torch.bool)
+    visible[..., 0] = True  # padding rows attend to one key, so the softmax stays finite; dropped later
+    key_valid = torch.zeros((num, 1, num_keys, 1), dtype=torch.bool)
+    for b, (q0, q_len, seq_len) in enumerate(zip(query_start, query_len, seq_lens)):
+        token_index[b, :q_len] = torch.arange(q0, q0 + q_len)
+        row_valid[b, :q_len] = True
+        visible[b, :q_len, :seq_len] = visibility_mask(
+            query_tree_row[q0:q0 + q_len].long(), seq_len, tree_base[b], ancestor_words[b])
+        visible[b, :q_len, seq_len:] = False
+        key_valid[b, 0, :seq_len] = True
+    padded = min(seq_lens) < num_keys
+    return CpuTreePlan(token_index, row_valid, block_table[:, :-(-num_keys // block_size)].long(),
+                       ~visible.view(num, 1, 1, max_q, num_keys), key_valid if padded else None, covers_all_rows)
+
+
+def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuTreePlan, scale: float,
+                         output: torch.Tensor) -> None:
+    """Graph-masked attention of the plan's rows over vLLM's CPU cache, in float32: the first S
+    slots of each request's pages (S = its longest request's length).
+
+    query, output [T, Hq, D]; kv_cache [num_blocks, Hkv, block_size, 2 * D]: per (block, head)
+    the keys stored dim-major ([D, block_size]), then the values token-major
+    (kernels/paged_layout.py). Writes output's rows of the plan's tokens, nothing else.
+
+    Two batched GEMMs per layer, query heads grouped by their KV head ([Hkv, g * Q] rows), not
+    SDPA: at a tree's few rows its CPU kernel spends twice as long on set-up and GQA copies as
+    on the math. The keys' dim-major blocks are the K^T operand as they lie.
+    """
+    num, num_pages = plan.pages.shape
+    _, num_kv_heads, block_size, two_d = kv_cache.shape
+    num_tokens, num_heads, head_size = query.shape
+    group, num_rows, num_keys = num_heads // num_kv_heads, plan.token_index.shape[1], plan.hidden.shape[-1]
+    # index_select, not kv_cache[pages]: advanced indexing of the cache costs 5x as much here.
+    paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2, block_size, head_size)
+    keys_t = torch.empty((num, num_kv_heads, head_size, num_pages, block_size), dtype=torch.float32)
+    keys_t.copy_(paged[:, :, :, 0].view(num, num_pages, num_kv_heads, head_size, block_size).permute(0, 2, 3, 1, 4))
+    values = torch.empty((num, num_kv_heads, num_pages, block_size, head_size), dtype=torch.float32)
+    values.copy_(paged[:, :, :, 1].permute(0, 2, 1, 3, 4))
+    values = values.view(num, num_kv_heads, num_pages * block_size, head_size)[:, :, :num_keys]
+    if plan.key_valid is not None:
+        # A slot past a shorter request's tokens may hold anything (NaN included): 0 * NaN is NaN.
+        values = torch.where(plan.key_valid, values, 0.0)
+    q = torch.empty((num, num_kv_heads, group, num_rows, head_size), dtype=torch.float32)
+    q.copy_(query[plan.token_index].view(num, num_rows, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4))
+    q.mul_(scale)
+    scores = torch.matmul(q.view(num, num_kv_heads, group * num_rows, head_size),
+                          keys_t.view(num, num_kv_heads, head_size, num_pages * block_size)[..., :num_keys])
+    scores = scores.view(num, num_kv_heads, group, num_rows, num_keys).masked_fill_(plan.hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num, num_kv_heads, group * num_rows, num_keys)
+    attended = torch.matmul(probs, values).view(num, num_kv_heads, group, num_rows, head_size)
+    rows = attended.permute(0, 3, 1, 2, 4)[plan.row_valid]  # [T_tree, Hkv, g, D]
+    output[plan.token_index[plan.row_valid]] = rows.reshape(-1, num_heads, head_size).to(output.dtype)
 
 
 class GsdCpuAttentionMetadataBuilder(GraphMetadataBuilder, CPUAttentionMetadataBuilder):
@@ -60,25 +125,10 @@ class GsdCpuAttentionMetadataBuilder(GraphMetadataBuilder, CPUAttentionMetadataB
             self._set_isa_to_layers(layer_names)
 
     def plan_tree(self, metadata: CPUAttentionMetadata, tree: TreeAttention) -> CpuTreePlan:
-        block_size = self.block_size
         request_index = tree.request_index
-        seq_lens = metadata.seq_lens[request_index].tolist()
-        starts, lengths = tree.query_start.tolist(), tree.query_len.tolist()
-        tree_base = tree.tree_base.tolist()
-        num, max_q = len(starts), max(lengths)
-        max_pages = -(-max(seq_lens) // block_size)
-        token_index = torch.zeros((num, max_q), dtype=torch.int64)
-        row_valid = torch.zeros((num, max_q), dtype=torch.bool)
-        mask = torch.zeros((num, 1, max_q, max_pages * block_size), dtype=torch.bool)
-        mask[..., 0] = True  # padding rows attend to one key, so SDPA stays finite; dropped later
-        pages = metadata.block_table[request_index, :max_pages].long()
-        for b, (q0, q_len, seq_len) in enumerate(zip(starts, lengths, seq_lens)):
-            token_index[b, :q_len] = torch.arange(q0, q0 + q_len)
-            row_valid[b, :q_len] = True
-            mask[b, 0, :q_len, :seq_len] = visibility_mask(
-                tree.query_tree_row[q0:q0 + q_len].long(), seq_len, tree_base[b], tree.ancestor_words[b])
-            mask[b, 0, :q_len, seq_len:] = False
-        return CpuTreePlan(token_index, row_valid, pages, mask, tree.covers_all_rows)
+        return plan_cpu_tree(metadata.block_table[request_index], metadata.seq_lens[request_index].tolist(),
+                             tree.query_start.tolist(), tree.query_len.tolist(), tree.tree_base.tolist(),
+                             tree.query_tree_row, tree.ancestor_words, self.block_size, tree.covers_all_rows)
 
 
 class GsdCpuAttentionImpl(GraphAttentionImpl, CPUAttentionBackendImpl):
@@ -94,25 +144,8 @@ class GsdCpuAttentionImpl(GraphAttentionImpl, CPUAttentionBackendImpl):
         ) if active]
 
     def attend_tree(self, query, kv_cache, metadata, plan: CpuTreePlan, output) -> None:
-        # kv_cache [num_blocks, Hkv, block_size, 2 * D]: per (block, head) the keys stored
-        # dim-major ([D, block_size]), then the values token-major (kernels/paged_layout.py).
-        num_blocks, num_kv_heads, block_size, two_d = kv_cache.shape
-        head_size = two_d // 2
-        num, num_pages = plan.pages.shape
-        # index_select, not kv_cache[pages]: advanced indexing of the cache costs 5x as much here.
-        paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2,
-                                                                   block_size * head_size)
-        keys = paged[:, :, :, 0].view(num, num_pages, num_kv_heads, head_size, block_size)
-        keys = keys.permute(0, 2, 1, 4, 3).reshape(num, num_kv_heads, num_pages * block_size, head_size)
-        values = paged[:, :, :, 1].view(num, num_pages, num_kv_heads, block_size, head_size)
-        values = values.permute(0, 2, 1, 3, 4).reshape(num, num_kv_heads, num_pages * block_size, head_size)
-        q = query.view(query.shape[0], self.num_heads, self.head_size)[plan.token_index]
-        attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2).float(), keys.float(), values.float(), attn_mask=plan.mask,
-            scale=self.scale, enable_gqa=self.num_heads != num_kv_heads)
-        rows = attended.transpose(1, 2)[plan.row_valid]  # [T_tree, Hq, D]
-        out = output.view(output.shape[0], self.num_heads, self.head_size)
-        out[plan.token_index[plan.row_valid]] = rows.to(output.dtype)
+        paged_tree_attention(query.view(query.shape[0], self.num_heads, self.head_size), kv_cache, plan,
+                             self.scale, output.view(output.shape[0], self.num_heads, self.head_size))
 
 
 class GsdCpuAttentionBackend(CPUAttentionBackend):

