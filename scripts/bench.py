@@ -399,6 +399,8 @@ def profiled_pair(args) -> Pair:
         from vllm_gsd.testing.real_models import int8_draft
 
         pair.draft = str(int8_draft(Path(pair.draft)))
+    if getattr(args, "dtype", None):
+        pair.dtype = args.dtype
     return pair
 
 
@@ -424,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8-draft", action="store_true",
                         help="every configuration drafts with the int8 (W8A8) copy of the pair's draft "
                              "(vllm_gsd/quantize_draft.py)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                        help="the engines' dtype (default: the pair's; float32 makes a GSD output "
+                             "that differs from no speculation's a failure)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)

