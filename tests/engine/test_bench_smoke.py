@@ -27,4 +27,7 @@ def test_quick_benchmark_writes_results(tmp_path):
     # machine (the tiny draft costs about what the tiny target does), and reports how it decided.
     assert all(r["mean_acceptance_length"] > 1.0 for r in gsd if r["config"] == "gsd_graph_fixed")
     assert all(0.0 <= r["plain_step_share"] <= 1.0 and r["step_ms"]["target_forward"] > 0 for r in gsd)
+    # TPOT (decode time per token after the first) comes from vLLM's request stats, every row.
+    assert all(r["tpot_ms"] > 0 and r["tpot_ratio"] > 0 for r in rows)
+    assert all(r["tpot_ratio"] == 1.0 for r in rows if r["config"] == "no_spec")
     assert "| gsd |" in (tmp_path / "results.md").read_text()
