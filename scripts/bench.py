@@ -50,6 +50,7 @@ class Row:
     whole_step_ms: dict | None = None  # GSD's whole decode steps: drafted ms, its tokens, plain ms
     merges: int | None = None
     draft_expansions_saved: int | None = None
+    lookup_nodes: str | None = None  # context-lookup nodes (GSD): accepted / tried / verified
     identical_to_no_spec: bool | None = None
     identical_prompts: str | None = None  # "k/n": prompts whose output equals no speculation's, worst round
     ratio_to_no_spec: float | None = None
@@ -103,6 +104,9 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
         # The default knobs with a smaller node budget (the most nodes verified per request).
         "gsd_n6": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 6},
         "gsd_n9": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 9},
+        # The default knobs without context-lookup nodes (engine/lookup.py).
+        "gsd_no_lookup": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
+                          "gsd": {"lookup_nodes": 0}},
         # The same with the draft's LM head as loaded (on CPU the default runs an int8 copy of it).
         "gsd_model_head": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                            "gsd": {"int8_draft_head": False}},
@@ -201,6 +205,8 @@ def describe_run(name: str, spec: dict | None, batch: int, outs: list, seconds: 
                          "plain": round(delta["plain_step_us"] / 1e3 / plain, 1) if delta["plain_steps_timed"] else None}
     row.merges = delta["merges"]
     row.draft_expansions_saved = delta["draft_expansions_saved"]
+    row.lookup_nodes = (f"{delta['lookup_nodes_accepted']} / {delta['lookup_nodes_tried']} / "
+                        f"{delta['lookup_nodes_proposed']}")
     return row
 
 
@@ -321,14 +327,16 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         "(the runner's execute_model) / draft step (catch-up, levels, graph) / of "
         "which the draft model's layers / of which its LM head / tree verification / KV compaction, "
         "host wall time. Whole steps (GSD): wall milliseconds of a drafted decode step (tokens it "
-        "emitted) / of a plain one, as the adaptive budget's referee timed them. `= no-spec`: greedy "
+        "emitted) / of a plain one, as the adaptive budget's referee timed them. Lookup nodes (GSD): "
+        "context-lookup nodes past the draft's leaves (engine/lookup.py) the target accepted / "
+        "tried (their parent accepted) / verified. `= no-spec`: greedy "
         "output identical to no speculation" + (" (bf16: vLLM's own output depends on the batch "
         "shape at near-ties; exactness is tested in float32)" if pair.dtype != "float32" else "") + ".",
         "",
         "| config | batch | tok/s | x no-spec | TPOT ms | x no-spec (TPOT) | mean acc. len "
         "| draft tok / accepted tok | nodes / step | plain steps | step split ms | whole steps ms | merges "
-        "| draft exp. saved | = no-spec |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "| draft exp. saved | lookup nodes | = no-spec |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     fmt = lambda v: "" if v is None else str(v)  # noqa: E731
     for r in rows:
@@ -340,7 +348,7 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
                      f"{fmt(r.tpot_ms)} | {fmt(r.tpot_ratio)} | {fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
                      f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {whole} | {fmt(r.merges)} | "
-                     f"{fmt(r.draft_expansions_saved)} | {same} |")
+                     f"{fmt(r.draft_expansions_saved)} | {fmt(r.lookup_nodes)} | {same} |")
     noted = [r for r in rows if r.notes]
     if noted:
         lines += ["", "Per run (median shown above):", ""]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from vllm_gsd.engine.metrics import gsd_stats
 from vllm_gsd.testing.engines import MAX_MODEL_LEN, acceptance_of, mean_acceptance_length_of
 
 pytestmark = pytest.mark.engine
@@ -42,11 +43,18 @@ def test_greedy_is_identical_to_target_in_a_mixed_batch(engines, tokenizer):
     prompts.append({"prompt_token_ids": long_ids})
     params = [greedy(8 + 7 * i) for i in range(len(prompts))]
     reference = generate_ids(engines.get("target"), prompts, params)
-    outputs = engines.get("gsd").generate(prompts, params, use_tqdm=False)
+    gsd = engines.get("gsd")
+    before = gsd_stats(gsd)
+    outputs = gsd.generate(prompts, params, use_tqdm=False)
+    after = gsd_stats(gsd)
     assert [list(o.outputs[0].token_ids) for o in outputs] == reference
     # The tree path really ran (not a silent fallback to plain decoding).
     steps, accepted = acceptance_of(outputs)
     assert steps > 0 and accepted > 0
+    # The long prompt repeats itself: context-lookup nodes past the draft's leaves were verified,
+    # and the target took some of them (engine/lookup.py), without changing a token.
+    assert after.lookup_nodes_proposed > before.lookup_nodes_proposed
+    assert after.lookup_nodes_accepted > before.lookup_nodes_accepted
 
 
 def test_greedy_is_identical_in_eager_mode_too(engines, tokenizer):

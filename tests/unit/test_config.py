@@ -54,7 +54,7 @@ def test_gsd_knobs_are_taken(models):
     knobs = {"top_k": 2, "max_depth": 3, "merge_ngram": -1, "min_child_ratio": 0.0,
              "leaf_prob": 0.25, "adaptive": True,
              "cost_curve": {"target": [(1, 0.1), (16, 0.2)], "draft": [(1, 0.03)]},
-             "int8_draft_head": False}
+             "lookup_nodes": 3, "int8_draft_head": False}
     spec = engine_config(models, gsd_spec(models, gsd=knobs)).speculative_config
     assert spec.gsd.model_dump() == knobs
 
@@ -72,6 +72,9 @@ def test_gsd_knobs_are_taken(models):
         ({"width": 3}, "gsd.width"),
         ({"adaptive": "sometimes"}, "gsd.adaptive"),
         ({"int8_draft_head": "sometimes"}, "gsd.int8_draft_head"),
+        ({"lookup_nodes": -1}, "gsd.lookup_nodes"),
+        ({"lookup_nodes": 17}, "gsd.lookup_nodes"),
+        ({"lookup_nodes": True}, "gsd.lookup_nodes"),
         ({"top_k": True}, "gsd.top_k"),
         ({"leaf_prob": False}, "gsd.leaf_prob"),
         ({"cost_curve": {"target": [[0, 0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),

@@ -8,6 +8,7 @@ User-facing contract::
         "num_speculative_tokens": 24,      # node budget N: most draft nodes verified per request per step
         "gsd": {"top_k": 4, "max_depth": 6, "merge_ngram": 1,
                 "min_child_ratio": 0.2, "leaf_prob": 0.05,
+                "lookup_nodes": 2,          # nodes past the deepest leaf from the context's own n-grams
                 "adaptive": True,           # node budget and depth chosen per step by load
                 "cost_curve": None,         # measured at start-up, or {"target": [[q, s], ...], "draft": ...}
                 "int8_draft_head": True},   # CPU: the draft's LM head from an int8 copy of its weight
@@ -79,6 +80,10 @@ class GsdConfig(BaseModel):
     levels and verify up to the node budget."""
     cost_curve: CostCurveConfig | None = None
     """Forward times by query tokens for the adaptive budget; None = measured at start-up."""
+    lookup_nodes: int = Field(default=2, ge=0, le=16)
+    """Context lookup (vllm_gsd.engine.lookup): at most this many nodes past a tree's deepest
+    leaf, the tokens that followed the first earlier occurrence of its last n-gram in the
+    request's own tokens; no draft forward computes them. 0 disables it."""
     int8_draft_head: bool = True
     """On a CPU, run the draft's LM head from an int8 copy of its weight (engine/draft_head.py):
     half the bytes a draft level reads there. Only proposals change; the target verifies."""
@@ -104,7 +109,8 @@ class GsdConfig(BaseModel):
             )
         return value
 
-    @field_validator("top_k", "max_depth", "merge_ngram", "min_child_ratio", "leaf_prob", mode="before")
+    @field_validator("top_k", "max_depth", "merge_ngram", "min_child_ratio", "leaf_prob", "lookup_nodes",
+                     mode="before")
     @classmethod
     def _reject_booleans(cls, value: Any) -> Any:
         # pydantic reads true as 1: a boolean where a number belongs is a mistake, not a value.

@@ -71,6 +71,9 @@ class GsdStats:
     levels_not_paying: int = 0  # levels a step's depth allowed, left out as not expected to pay
     nodes_offered: int = 0
     nodes_proposed: int = 0
+    lookup_nodes_proposed: int = 0  # of nodes_proposed: context-lookup nodes (engine/lookup.py)
+    lookup_nodes_tried: int = 0  # verified lookup nodes whose parent the target accepted
+    lookup_nodes_accepted: int = 0
     target_forward_us: int = 0
     draft_step_us: int = 0
     draft_model_us: int = 0
@@ -89,7 +92,8 @@ class GsdStats:
             f"draft tokens computed: {self.draft_tokens_computed}, steps drafted / plain: "
             f"{self.steps_speculated} / {self.steps_not_speculated}, draft forwards / levels left out "
             f"as not paying: {self.levels_drafted} / {self.levels_not_paying}, nodes proposed / offered: "
-            f"{self.nodes_proposed} / {self.nodes_offered}"
+            f"{self.nodes_proposed} / {self.nodes_offered}, context-lookup nodes proposed / tried / "
+            f"accepted: {self.lookup_nodes_proposed} / {self.lookup_nodes_tried} / {self.lookup_nodes_accepted}"
         )
 
 

@@ -484,6 +484,8 @@ USES: list[Uses] = [
     Uses("vllm.v1.spec_decode.metadata:SpecDecodeMetadata", "TreeSpecDecodeMetadata's base", "worker"),
     Uses("vllm.v1.outputs:SamplerOutput", "TreeSamplerOutput's base", "worker"),
     Uses("vllm.forward_context:set_forward_context", "draft forwards", "worker"),
+    Uses("vllm.v1.spec_decode.ngram_proposer:_find_longest_matched_ngram_and_propose_tokens",
+         "context-lookup nodes (engine/lookup.py)", "worker"),
 ]
 
 # Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the

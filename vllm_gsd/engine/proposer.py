@@ -58,6 +58,9 @@ from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot
 from vllm_gsd.graph import GraphBuilder, VerificationTree, warm_up
 from vllm_gsd.graph.budget import NodeBudgetPolicy, WallClockReferee
 from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
+from vllm_gsd.engine.lookup import (Extensions, LookupAccuracy, append_extensions, find_node, lookup_extensions,
+                                    lookup_outcome, node_path)
+from vllm_gsd.engine.lookup import warm_up as warm_up_lookup
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -70,7 +73,8 @@ class ProposedTree:
     parent_row: torch.Tensor  # int64 [n]
     depth: torch.Tensor  # int64 [n]
     via_merge: torch.Tensor  # bool [n]
-    path_prob: torch.Tensor  # float64 [n]: the draft's probability of the path to the node
+    path_prob: torch.Tensor  # float64 [n]: the draft's probability of the path to the node (0: lookup)
+    lookup_from: int  # nodes from this column on are context-lookup nodes (engine/lookup.py)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,8 @@ class GsdProposer(DraftModelProposer):
         self.node_budget = spec.num_speculative_tokens
         self.graph_params = knobs.graph_params(self.node_budget)
         self.history_len = max(knobs.merge_ngram, 0)
+        self.lookup_nodes = knobs.lookup_nodes
+        self.lookup_accuracy = LookupAccuracy()
         # Positions the draft may hold: vLLM clamps the draft's max_model_len to the target's.
         self.max_model_len = spec.draft_model_config.max_model_len
         self.trees: dict[str, ProposedTree] = {}
@@ -141,6 +147,7 @@ class GsdProposer(DraftModelProposer):
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
         self.draft_head: DraftHead | None = None  # the draft's LM head, once the draft is loaded
         warm_up()  # the graph core's compiled kernels, before the first request needs them
+        warm_up_lookup()
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -231,7 +238,7 @@ class GsdProposer(DraftModelProposer):
         req_ids = list(batch.req_ids[:batch.num_reqs])
         stats = GsdStats()
         self._learn_step_times(scheduler_output, valid_sampled_token_ids, stats)
-        self._observe_verified(req_ids, scheduler_output, valid_sampled_token_ids)
+        self._observe_verified(req_ids, scheduler_output, valid_sampled_token_ids, stats)
         self._forget_finished(scheduler_output.finished_req_ids)
         # A request left out of this step keeps its tree: the scheduler keeps its draft tokens.
         in_batch = set(req_ids)
@@ -269,6 +276,7 @@ class GsdProposer(DraftModelProposer):
             self._step_catch_up_excess = catch_up_excess
         tree = self._grow(runner, candidates, root_logits, num_plain, stats, depth, explore, rate_to_beat)
         num_nodes = tree.num_nodes.tolist()
+        lookup_from = (tree.graph_row >= 0).sum(1).tolist()  # lookup nodes come last
         for b, candidate in enumerate(candidates):
             n = num_nodes[b]
             if n == 0:
@@ -279,7 +287,9 @@ class GsdProposer(DraftModelProposer):
                 depth=tree.depth[b, :n].clone(),
                 via_merge=tree.via_merge[b, :n].clone(),
                 path_prob=tree.path_prob[b, :n].clone(),
+                lookup_from=lookup_from[b],
             )
+            stats.lookup_nodes_proposed += n - lookup_from[b]
             self.trees[candidate.req_id] = proposed
             drafts[candidate.batch_row] = proposed.draft_token_ids.tolist()
         stats.steps_speculated += 1
@@ -345,22 +355,36 @@ class GsdProposer(DraftModelProposer):
 
     # ------------------------------------------------------------------------------ steps
 
-    def _observe_verified(self, req_ids, scheduler_output, valid_sampled_token_ids) -> None:
-        """Calibrate the policy's acceptance model on the trees verified in this step."""
-        if self.policy is None or not self.trees:
+    def _observe_verified(self, req_ids, scheduler_output, valid_sampled_token_ids, stats: GsdStats) -> None:
+        """Calibrate the policy's acceptance model, and the context lookup's odds, on the trees
+        verified in this step. Lookup nodes carry no path probability: the acceptance model
+        calibrates the draft alone."""
+        if not self.trees:
             return
         max_depth = self.graph_params.max_depth
         predicted, accepted = [], []
+        hits = tries = 0
         for i, req_id in enumerate(req_ids):
             tree = self.trees.get(req_id)
             verified = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
             if tree is None or verified == 0 or not valid_sampled_token_ids[i]:
+                continue
+            if verified > tree.lookup_from:
+                leaf = int(tree.parent_row[tree.lookup_from]) - 1
+                h, t = lookup_outcome(valid_sampled_token_ids[i],
+                                      node_path(tree.parent_row.numpy(), tree.draft_token_ids.numpy(), leaf),
+                                      tree.draft_token_ids[tree.lookup_from:verified].numpy())
+                hits, tries = hits + h, tries + t
+            if self.policy is None:
                 continue
             predicted.append(np.bincount(tree.depth[:verified].numpy(), tree.path_prob[:verified].numpy(),
                                          minlength=max_depth + 1)[: max_depth + 1])
             accepted.append(len(valid_sampled_token_ids[i]) - 1)
         if accepted:
             self.policy.acceptance.observe(np.stack(predicted), np.asarray(accepted))
+        self.lookup_accuracy.observe(hits, tries)
+        stats.lookup_nodes_tried += tries
+        stats.lookup_nodes_accepted += hits
 
     def _forget_finished(self, finished_req_ids) -> None:
         for req_id in finished_req_ids:
@@ -518,14 +542,33 @@ class GsdProposer(DraftModelProposer):
             builder.expand(top_tokens, top_probs)
             frontier_hidden, level = None, level + 1
         tree = builder.build_tree()
-        stats.nodes_offered += int(tree.num_nodes.sum())
+        extensions = lookup_extensions(tree, [token_ids_cpu[c.batch_row, :c.root_pos + 1] for c in candidates],
+                                       self.lookup_nodes)
+        stats.nodes_offered += int(tree.num_nodes.sum()) + int(extensions.num.sum())
+        # Lookup nodes compete with the draft's for the node budget, and with the adaptive budget
+        # for the verified rows: as a path probability, their leaf's times the lookup's odds for
+        # each of them.
+        path_prob, node_depth, num_nodes = _with_extensions(tree, extensions, self.lookup_accuracy.value)
+        node_budget = num_nodes
         if policy is not None:
             policy.observe_levels(depth, level)
-            selection = policy.select(tree.path_prob.numpy(), tree.depth.numpy(), tree.num_nodes.numpy(),
-                                      num_plain, self._curve_seconds, explore=explore, drafted_depth=depth)
-            tree = builder.build_tree(node_budget=selection.node_budget)
+            selection = policy.select(path_prob, node_depth, num_nodes, num_plain, self._curve_seconds,
+                                      explore=explore, drafted_depth=depth)
             self._step_prediction = (selection.tokens, selection.seconds)
-        return tree
+            node_budget = selection.node_budget
+        node_budget = np.minimum(node_budget, self.node_budget)
+        kept = _kept_extensions(path_prob, num_nodes - extensions.num, node_budget)
+        if policy is None and not kept.any():
+            return tree
+        selected = builder.build_tree(node_budget=node_budget - kept)
+        if not kept.any():
+            return selected
+        # The leaf in the selected tree (its rows are numbered anew).
+        leaf = np.full(len(candidates), -1, dtype=np.int64)
+        parent_row, token_ids = tree.parent_row.numpy(), tree.draft_token_ids.numpy()
+        for b in np.flatnonzero(kept).tolist():
+            leaf[b] = find_node(selected, b, node_path(parent_row[b], token_ids[b], int(extensions.leaf[b])))
+        return append_extensions(selected, leaf, extensions.tokens, kept)
 
     def _next_level_pays(self, builder: GraphBuilder, frontier, level: int, num_plain: int,
                          rate_to_beat: float | None) -> bool:
@@ -699,6 +742,35 @@ def _predicted_rate(decision, depth: int) -> float | None:
     if decision.tokens is None or depth == 0 or np.isnan(decision.tokens[depth]):
         return None
     return float(decision.tokens[depth] / decision.seconds[depth])
+
+
+def _with_extensions(tree: VerificationTree, extensions: Extensions, odds: float
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(path_prob float64 [B, N + E], depth int64 [B, N + E], num_nodes int64 [B]): the tree's
+    nodes, each request's lookup nodes right after them, at the leaf's path probability times
+    odds per lookup node."""
+    num_nodes = tree.num_nodes.numpy()
+    batch, width = tree.path_prob.shape
+    extra = extensions.tokens.shape[1]
+    path_prob = np.zeros((batch, width + extra))
+    depth = np.zeros((batch, width + extra), dtype=np.int64)
+    path_prob[:, :width], depth[:, :width] = tree.path_prob.numpy(), tree.depth.numpy()
+    for b in np.flatnonzero(extensions.leaf >= 0).tolist():
+        n, e, leaf = int(num_nodes[b]), int(extensions.num[b]), int(extensions.leaf[b])
+        steps = np.arange(1, e + 1)
+        path_prob[b, n:n + e] = path_prob[b, leaf] * odds ** steps
+        depth[b, n:n + e] = depth[b, leaf] + steps
+    return path_prob, depth, num_nodes + extensions.num
+
+
+def _kept_extensions(path_prob: np.ndarray, num_draft: np.ndarray, node_budget: np.ndarray) -> np.ndarray:
+    """int64 [B]: how many of each request's lookup nodes (the columns from num_draft[b] on) are
+    among its node_budget[b] most likely nodes (ties: the earlier column, as select orders)."""
+    kept = np.zeros(len(num_draft), dtype=np.int64)
+    for b in np.flatnonzero(node_budget > 0).tolist():
+        best = np.argsort(-path_prob[b], kind="stable")[: int(node_budget[b])]
+        kept[b] = int((best >= num_draft[b]).sum())
+    return kept
 
 
 def _groups_within(sizes: np.ndarray, cap: int) -> list[np.ndarray]:
