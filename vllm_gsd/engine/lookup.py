@@ -50,10 +50,12 @@ def lookup_continuation(context: np.ndarray, path: np.ndarray, max_tokens: int,
 
 @dataclass(frozen=True)
 class Extensions:
-    """Per request of a batch: the node extended (index into the tree's node columns, -1: none)
-    and the lookup tokens to hang under it (int64 [B, E], -1 padded; num int64 [B])."""
+    """Per request of a batch: the node extended (index into the tree's node columns, -1: none),
+    its path from the root (int64 [depth], empty where none), and the lookup tokens to hang
+    under it (int64 [B, E], -1 padded; num int64 [B])."""
 
     leaf: np.ndarray
+    leaf_path: list[np.ndarray]
     tokens: np.ndarray
     num: np.ndarray
 
@@ -82,6 +84,7 @@ def lookup_extensions(tree: VerificationTree, contexts: list[np.ndarray], max_to
     leaf = np.full(batch, -1, dtype=np.int64)
     tokens = np.full((batch, max(max_tokens, 0)), -1, dtype=np.int64)
     num = np.zeros(batch, dtype=np.int64)
+    leaf_path = [np.empty(0, dtype=np.int64)] * batch
     num_nodes = tree.num_nodes.numpy()
     depth, parent_row, token_ids = tree.depth.numpy(), tree.parent_row.numpy(), tree.draft_token_ids.numpy()
     for b in range(batch):
@@ -89,11 +92,12 @@ def lookup_extensions(tree: VerificationTree, contexts: list[np.ndarray], max_to
         if n == 0 or max_tokens <= 0:
             continue
         node = int(np.argmax(depth[b, :n]))  # the first column of the deepest depth
-        found = lookup_continuation(contexts[b], node_path(parent_row[b], token_ids[b], node), max_tokens)
+        path = node_path(parent_row[b], token_ids[b], node)
+        found = lookup_continuation(contexts[b], path, max_tokens)
         if found.size:
-            leaf[b], num[b] = node, found.size
+            leaf[b], leaf_path[b], num[b] = node, path, found.size
             tokens[b, :found.size] = found
-    return Extensions(leaf, tokens, num)
+    return Extensions(leaf, leaf_path, tokens, num)
 
 
 def find_node(tree: VerificationTree, b: int, path: np.ndarray) -> int:

@@ -565,9 +565,8 @@ class GsdProposer(DraftModelProposer):
             return selected
         # The leaf in the selected tree (its rows are numbered anew).
         leaf = np.full(len(candidates), -1, dtype=np.int64)
-        parent_row, token_ids = tree.parent_row.numpy(), tree.draft_token_ids.numpy()
         for b in np.flatnonzero(kept).tolist():
-            leaf[b] = find_node(selected, b, node_path(parent_row[b], token_ids[b], int(extensions.leaf[b])))
+            leaf[b] = find_node(selected, b, extensions.leaf_path[b])
         return append_extensions(selected, leaf, extensions.tokens, kept)
 
     def _next_level_pays(self, builder: GraphBuilder, frontier, level: int, num_plain: int,
