@@ -107,6 +107,9 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
         # The default knobs without context-lookup nodes (engine/lookup.py).
         "gsd_no_lookup": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                           "gsd": {"lookup_nodes": 0}},
+        # The default knobs with the draft's head over the whole vocabulary (engine/draft_head.py).
+        "gsd_whole_vocab": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
+                            "gsd": {"draft_vocab": 0}},
         # The same with the draft's LM head as loaded (on CPU the default runs an int8 copy of it).
         "gsd_model_head": {"method": "gsd", "model": pair.draft, "num_speculative_tokens": 24,
                            "gsd": {"int8_draft_head": False}},

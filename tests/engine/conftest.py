@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-from vllm_gsd.testing.engines import GSD_KNOBS, WIDE_GSD, gsd_config, make_llm  # noqa: E402
+from vllm_gsd.testing.engines import GSD_KNOBS, REDUCED_DRAFT_VOCAB, WIDE_GSD, gsd_config, make_llm  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +70,11 @@ class _Engines:
                 llm = make_llm(target, gsd_config(self.models["perturbed"], WIDE_GSD["num_speculative_tokens"],
                                                   **WIDE_GSD["gsd"]))
             elif name == "gsd_int8":
-                llm = make_llm(target, gsd_config(self.models["perturbed_int8"]))
+                # As on a real pair: an int8 draft, its int8 head over a reduced vocabulary.
+                from vllm_gsd.testing.worker_probes import WORKER_PROBES
+
+                llm = make_llm(target, gsd_config(self.models["perturbed_int8"], draft_vocab=REDUCED_DRAFT_VOCAB),
+                               worker_extension_cls=WORKER_PROBES)
             elif name == "gsd_same":
                 llm = make_llm(target, gsd_config(self.models["same"]))
             elif name == "gsd_no_prefix_cache":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_gsd.engine.metrics import gsd_stats
-from vllm_gsd.testing.engines import MAX_MODEL_LEN, acceptance_of, mean_acceptance_length_of
+from vllm_gsd.testing.engines import MAX_MODEL_LEN, REDUCED_DRAFT_VOCAB, acceptance_of, mean_acceptance_length_of
 
 pytestmark = pytest.mark.engine
 
@@ -126,14 +126,25 @@ def test_max_tokens_one_and_stop_strings(engines, tokenizer):
 
 def test_an_int8_draft_keeps_the_target_s_output(engines, tokenizer):
     """scripts/quantize_draft.py's W8A8 copy of the draft, loaded by vLLM's compressed-tensors
-    path: it only proposes, so the output is still the target's, and its proposals are accepted."""
+    path, with its int8 head over a reduced vocabulary (engine/draft_head.py): it only proposes,
+    so the output is still the target's, and its proposals are accepted."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS)
     params = [greedy(8 + 7 * i) for i in range(len(prompts))]
     llm = engines.get("gsd_int8")
     assert llm.llm_engine.vllm_config.speculative_config.draft_model_config.quantization == "compressed-tensors"
+    assert [(w["draft_head"], w["draft_head_kept"]) for w in llm.collective_rpc("gsd_test_worker_info")] == [
+        ("Int8DraftHead", REDUCED_DRAFT_VOCAB)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == generate_ids(engines.get("target"), prompts, params)
     assert mean_acceptance_length_of(outputs) >= 2.0
+    # Sampled requests draft from the reduced head too (their noise spans the whole vocabulary):
+    # they run to their length and accept drafts. (Their distribution: tests/engine/test_gsd_sampling.py.)
+    from vllm import SamplingParams
+
+    sampled = llm.generate(prompts[:4], [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True)
+                                         for i in range(4)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in sampled] == [24] * 4
+    assert acceptance_of(sampled)[1] > 0
 
 
 def test_identical_draft_accepts_deep_paths(engines, tokenizer):

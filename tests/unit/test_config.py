@@ -54,7 +54,7 @@ def test_gsd_knobs_are_taken(models):
     knobs = {"top_k": 2, "max_depth": 3, "merge_ngram": -1, "min_child_ratio": 0.0,
              "leaf_prob": 0.25, "adaptive": True,
              "cost_curve": {"target": [(1, 0.1), (16, 0.2)], "draft": [(1, 0.03)]},
-             "lookup_nodes": 3, "int8_draft_head": False}
+             "lookup_nodes": 3, "int8_draft_head": False, "draft_vocab": 32000}
     spec = engine_config(models, gsd_spec(models, gsd=knobs)).speculative_config
     assert spec.gsd.model_dump() == knobs
 
@@ -75,6 +75,8 @@ def test_gsd_knobs_are_taken(models):
         ({"lookup_nodes": -1}, "gsd.lookup_nodes"),
         ({"lookup_nodes": 17}, "gsd.lookup_nodes"),
         ({"lookup_nodes": True}, "gsd.lookup_nodes"),
+        ({"draft_vocab": -1}, "gsd.draft_vocab"),
+        ({"draft_vocab": True}, "gsd.draft_vocab"),
         ({"top_k": True}, "gsd.top_k"),
         ({"leaf_prob": False}, "gsd.leaf_prob"),
         ({"cost_curve": {"target": [[0, 0.1]], "draft": [[1, 0.1]]}}, "gsd.cost_curve.target"),

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.engine.draft_head import Int8DraftHead, head_error
+from vllm_gsd.engine.draft_head import Int8DraftHead, head_error, logit_columns, top_children, widen
 from vllm_gsd.quantize_draft import quantize_per_channel
 
 
@@ -55,3 +55,51 @@ def test_head_error_tells_rounding_from_another_function():
     assert head_error(head, scaled, 32, torch.bfloat16) > 0.5
     padded = lambda h: torch.nn.functional.linear(h, torch.cat([weight, weight[:3]]))  # noqa: E731
     assert head_error(head, padded, 32, torch.bfloat16) == float("inf")
+
+
+@settings(max_examples=25, deadline=None)
+@given(vocab=st.integers(8, 300), kept_share=st.floats(0.05, 0.95), hidden_size=st.sampled_from([8, 24, 64]),
+       rows=st.integers(1, 9), num_extra=st.integers(0, 6), scale=st.sampled_from([1.0, 0.5]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float32]), seed=st.integers(0, 2**31 - 1))
+def test_reduced_head_scores_its_kept_ids_and_the_extra_ones(vocab, kept_share, hidden_size, rows, num_extra,
+                                                             scale, dtype, seed):
+    """A reduced head's columns: the first `kept` ids as the whole int8 head scores them, then
+    the extra ids from the model's own weight."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.05).to(dtype)
+    hidden = torch.randn(rows, hidden_size, generator=generator).to(dtype)
+    kept = max(1, int(vocab * kept_share))
+    extra_ids = torch.randperm(vocab - kept, generator=generator)[:num_extra] + kept
+    head = Int8DraftHead(weight, vocab, scale, dtype, vocab_kept=kept)
+    assert head.reduced and head.kept == kept
+    logits = head(hidden, extra_ids)
+    assert logits.shape == (rows, kept + len(extra_ids)) and logits.dtype == dtype
+    whole = Int8DraftHead(weight, vocab, scale, dtype)(hidden)
+    tolerance = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(logits[:, :kept].float(), whole[:, :kept].float(), rtol=tolerance, atol=1e-4)
+    exact = _reference(weight, hidden, vocab, scale)[:, extra_ids]
+    assert torch.allclose(logits[:, kept:].float(), exact, rtol=2 * tolerance, atol=1e-3)
+    assert not Int8DraftHead(weight, vocab, scale, dtype, vocab_kept=vocab + 5).reduced
+
+
+@settings(max_examples=50, deadline=None)
+@given(vocab=st.integers(5, 200), kept_share=st.floats(0.1, 0.9), rows=st.integers(1, 6), k=st.integers(1, 4),
+       num_extra=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
+def test_children_of_a_reduced_head_are_the_top_tokens_among_the_scored_ids(vocab, kept_share, rows, k,
+                                                                           num_extra, seed):
+    """top_children over a reduced head's columns names the same tokens, with the same
+    probabilities, as the top-k of the whole vocabulary's logits with every unscored id masked."""
+    generator = torch.Generator().manual_seed(seed)
+    kept = max(k, int(vocab * kept_share))
+    extra_ids = torch.randperm(vocab - kept, generator=generator)[:num_extra] + kept
+    columns = logit_columns(kept, extra_ids)
+    whole = torch.randn(rows, vocab, generator=generator)
+    tokens, probs = top_children(whole[:, columns], k, columns)
+    masked = widen(whole[:, columns], columns, vocab)
+    assert torch.equal(masked[:, columns], whole[:, columns])
+    assert bool(torch.isinf(masked).sum(1).eq(vocab - len(columns)).all())
+    expected_probs, expected_tokens = torch.softmax(masked, dim=-1).topk(k, dim=-1)
+    assert torch.equal(tokens, expected_tokens)
+    assert torch.allclose(probs, expected_probs)
+    # Without a column map, columns are tokens.
+    assert torch.equal(top_children(whole, k)[0], torch.softmax(whole, dim=-1).topk(k, dim=-1)[1])

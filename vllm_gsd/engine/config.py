@@ -11,7 +11,8 @@ User-facing contract::
                 "lookup_nodes": 2,          # nodes past the deepest leaf from the context's own n-grams
                 "adaptive": True,           # node budget and depth chosen per step by load
                 "cost_curve": None,         # measured at start-up, or {"target": [[q, s], ...], "draft": ...}
-                "int8_draft_head": True},   # CPU: the draft's LM head from an int8 copy of its weight
+                "int8_draft_head": True,    # CPU: the draft's LM head from an int8 copy of its weight
+                "draft_vocab": 100000},     # ... scoring the first 100000 token ids and the context's
     }
 
 `GsdConfig` validates the block (pydantic: every bad value fails with the field's name and its
@@ -87,6 +88,10 @@ class GsdConfig(BaseModel):
     int8_draft_head: bool = True
     """On a CPU, run the draft's LM head from an int8 copy of its weight (engine/draft_head.py):
     half the bytes a draft level reads there. Only proposals change; the target verifies."""
+    draft_vocab: int = Field(default=100000, ge=0)
+    """With the int8 head: the draft scores only the vocabulary's first draft_vocab token ids (BPE
+    merge order, which follows frequency) plus the ids in each request's own tokens and its stop
+    tokens (engine/draft_head.py). 0 = the whole vocabulary. Only proposals change."""
 
     def graph_params(self, node_budget: int) -> GraphParams:
         """The graph core's parameters for these knobs and node budget N."""
@@ -110,7 +115,7 @@ class GsdConfig(BaseModel):
         return value
 
     @field_validator("top_k", "max_depth", "merge_ngram", "min_child_ratio", "leaf_prob", "lookup_nodes",
-                     mode="before")
+                     "draft_vocab", mode="before")
     @classmethod
     def _reject_booleans(cls, value: Any) -> Any:
         # pydantic reads true as 1: a boolean where a number belongs is a mistake, not a value.

@@ -47,7 +47,7 @@ from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.engine.cost_calibration import budget_cost_curves
-from vllm_gsd.engine.draft_head import DraftHead, draft_head
+from vllm_gsd.engine.draft_head import DraftHead, draft_head, logit_columns, top_children, widen
 from vllm_gsd.engine.draft_kv import DraftKvLedger, DraftProgress
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.metrics import GsdStats, decodes_only
@@ -151,7 +151,8 @@ class GsdProposer(DraftModelProposer):
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
-        self.draft_head = draft_head(self.model, self.vllm_config, self.speculative_config.gsd.int8_draft_head)
+        knobs = self.speculative_config.gsd
+        self.draft_head = draft_head(self.model, self.vllm_config, knobs.int8_draft_head, knobs.draft_vocab)
 
     def prepare_policy(self, runner) -> None:
         """Build the adaptive node budget (after the KV cache exists: it may time forwards)."""
@@ -516,6 +517,7 @@ class GsdProposer(DraftModelProposer):
             history[torch.from_numpy(ok), col] = torch.from_numpy(
                 token_ids_cpu[batch_rows[ok], pos[ok]].astype(np.int64))
         builder = GraphBuilder(self.graph_params, roots, history)
+        extra_ids = self._extra_vocabulary(runner, candidates)
         policy = self.policy
         frontier_hidden, level = root_hidden, 0
         while (frontier := builder.frontier()) is not None:
@@ -536,7 +538,8 @@ class GsdProposer(DraftModelProposer):
                 rows_request, rows_depth = np.arange(len(candidates)), np.zeros(len(candidates), np.int64)
             else:
                 rows_request, rows_depth = frontier.request_index.numpy(), frontier.depth.numpy()
-            top_tokens, top_probs = self._children(frontier_hidden, stats, candidates, rows_request, rows_depth)
+            top_tokens, top_probs = self._children(frontier_hidden, stats, candidates, rows_request, rows_depth,
+                                                   extra_ids)
             if policy is not None:
                 policy.observe_children(level, top_probs.numpy())
             builder.expand(top_tokens, top_probs)
@@ -668,17 +671,39 @@ class GsdProposer(DraftModelProposer):
             self._curve_seconds += float(self.policy.draft_cost(num_tokens))
         return hidden_states[torch.from_numpy(sample_index).to(device)]
 
+    def _extra_vocabulary(self, runner, candidates: list[_Candidate]) -> torch.Tensor | None:
+        """int64 [E]: the token ids past a reduced head's kept ones (engine/draft_head.py) that
+        the draft scores this step: every id in the candidates' own tokens (a prompt's names, a
+        chat's turn markers) and their stop tokens. None: the head scores the whole vocabulary."""
+        head = self.draft_head
+        if not getattr(head, "reduced", False):
+            return None
+        token_ids_cpu = runner.input_batch.token_ids_cpu
+        ids = [token_ids_cpu[c.batch_row, :c.root_pos + 1] for c in candidates]
+        for c in candidates:
+            params = runner.requests[c.req_id].sampling_params
+            if params is not None:
+                ids.append(np.fromiter(params.all_stop_token_ids, dtype=token_ids_cpu.dtype))
+        ids = np.unique(np.concatenate(ids))
+        ids = ids[(ids >= head.kept) & (ids < head.vocab_size)]
+        return torch.from_numpy(ids.astype(np.int64))
+
     def _children(self, hidden: torch.Tensor, stats: GsdStats, candidates: list[_Candidate] | None = None,
-                  request_index: np.ndarray | None = None, depth: np.ndarray | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  request_index: np.ndarray | None = None, depth: np.ndarray | None = None,
+                  extra_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's top_k children of each row: (tokens int64 [R, k], probs float32 [R, k],
         descending), CPU. Row r belongs to candidates[request_index[r]] at primary depth
         depth[r]. Greedy requests: the top-k of the draft's softmax. Sampled requests: the
         Gumbel-top-k of the draft's processed scores with the noise of the children's position
         (engine/sampling.py), probs under the noisy softmax. The LM head and its softmax run in
-        row chunks (one [chunk, V] float32 copy at a time)."""
+        row chunks (one [chunk, V] float32 copy at a time). A reduced head
+        (engine/draft_head.py) scores its kept ids and `extra_ids`: the softmax is over those,
+        and the other ids are never children."""
         started = time.perf_counter()
         k = self.graph_params.top_k
+        head = self.draft_head
+        # Token id of each logit column, where the head leaves ids out.
+        columns = logit_columns(head.kept, extra_ids) if getattr(head, "reduced", False) else None
         tokens = torch.empty((hidden.shape[0], k), dtype=torch.int64)
         probs = torch.empty((hidden.shape[0], k), dtype=torch.float32)
         sampled = np.zeros(hidden.shape[0], dtype=bool)
@@ -686,15 +711,17 @@ class GsdProposer(DraftModelProposer):
             sampled = np.asarray([candidates[b].sampling is not None for b in request_index], dtype=bool)
         chunk = rows_per_chunk(self._vocab_size)
         for lo in range(0, hidden.shape[0], chunk):
-            logits = self.draft_head(hidden[lo:lo + chunk])
+            logits = head(hidden[lo:lo + chunk]) if columns is None else head(hidden[lo:lo + chunk], extra_ids)
             rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
             greedy = rows[~sampled[rows]]
             if greedy.size:
-                top_probs, top_tokens = torch.softmax(logits[greedy - lo].float(), dim=-1).topk(k, dim=-1)
-                tokens[greedy], probs[greedy] = top_tokens.cpu(), top_probs.cpu()
+                tokens[greedy], probs[greedy] = top_children(logits[greedy - lo], k, columns)
             drawn = rows[sampled[rows]]
             if drawn.size:
-                tokens[drawn], probs[drawn] = self._sampled_children(logits[drawn - lo], candidates,
+                scores = logits[drawn - lo]
+                if columns is not None:  # the noise and the sampling knobs index the whole vocabulary
+                    scores = widen(scores, columns, head.vocab_size)
+                tokens[drawn], probs[drawn] = self._sampled_children(scores, candidates,
                                                                      request_index[drawn], depth[drawn])
         stats.draft_logits_us += int((time.perf_counter() - started) * 1e6)
         return tokens, probs

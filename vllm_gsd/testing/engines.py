@@ -22,6 +22,11 @@ WIDE_GSD = {"num_speculative_tokens": 128,
                     "cost_curve": FREE_TREES}}
 
 
+# The tiny pair's draft_vocab where a test engine reduces its draft's head (engine/draft_head.py):
+# the first 384 of 1024 ids hold about 3/4 of the tiny prompts' tokens, so the step's extra ids
+# (the context's own) matter, as they do for rarer tokens on a real pair.
+REDUCED_DRAFT_VOCAB = 384
+
 # A test engine's KV cache: room for every test's requests (64 x 512 tokens of the tiny pair
 # take 130 MiB), small enough that the engines a test session keeps fit in memory beside its
 # servers (a worker holds its KV cache plus about 1 GiB).

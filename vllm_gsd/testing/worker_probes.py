@@ -67,6 +67,9 @@ class WorkerProbes:
             "drafter": type(getattr(self.model_runner, "drafter", None)).__name__,
             # engine/draft_head.py: "Int8DraftHead", or "method" (the model's own compute_logits)
             "draft_head": type(getattr(getattr(self.model_runner, "drafter", None), "draft_head", None)).__name__,
+            # the token ids it scores before a step's extra ones (None: the whole vocabulary)
+            "draft_head_kept": getattr(getattr(getattr(self.model_runner, "drafter", None), "draft_head", None),
+                                       "kept", None),
         }
 
     def gsd_test_skew_trees(self, tp_rank: int) -> bool:
