@@ -517,7 +517,7 @@ class GsdProposer(DraftModelProposer):
             history[torch.from_numpy(ok), col] = torch.from_numpy(
                 token_ids_cpu[batch_rows[ok], pos[ok]].astype(np.int64))
         builder = GraphBuilder(self.graph_params, roots, history)
-        extra_ids = self._extra_vocabulary(runner, candidates)
+        vocabulary = self._step_vocabulary(runner, candidates)
         policy = self.policy
         frontier_hidden, level = root_hidden, 0
         while (frontier := builder.frontier()) is not None:
@@ -539,7 +539,7 @@ class GsdProposer(DraftModelProposer):
             else:
                 rows_request, rows_depth = frontier.request_index.numpy(), frontier.depth.numpy()
             top_tokens, top_probs = self._children(frontier_hidden, stats, candidates, rows_request, rows_depth,
-                                                   extra_ids)
+                                                   vocabulary)
             if policy is not None:
                 policy.observe_children(level, top_probs.numpy())
             builder.expand(top_tokens, top_probs)
@@ -671,39 +671,44 @@ class GsdProposer(DraftModelProposer):
             self._curve_seconds += float(self.policy.draft_cost(num_tokens))
         return hidden_states[torch.from_numpy(sample_index).to(device)]
 
-    def _extra_vocabulary(self, runner, candidates: list[_Candidate]) -> torch.Tensor | None:
-        """int64 [E]: the token ids past a reduced head's kept ones (engine/draft_head.py) that
-        the draft scores this step: every id in the candidates' own tokens (a prompt's names, a
-        chat's turn markers) and their stop tokens. None: the head scores the whole vocabulary."""
+    def _step_vocabulary(self, runner, candidates: list[_Candidate]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(extra_ids int64 [E], columns int64 [kept + E]) of a reduced head (engine/draft_head.py)
+        for this step: the ids past its kept ones that the draft scores (every id in the
+        candidates' own tokens, a prompt's names or a chat's turn markers, and their stop tokens),
+        and the token id of each logit column. None: the head scores the whole vocabulary."""
         head = self.draft_head
         if not getattr(head, "reduced", False):
             return None
         token_ids_cpu = runner.input_batch.token_ids_cpu
-        ids = [token_ids_cpu[c.batch_row, :c.root_pos + 1] for c in candidates]
+        ids = []
         for c in candidates:
+            context = token_ids_cpu[c.batch_row, :c.root_pos + 1]
+            ids.append(context[context >= head.kept])  # few: filter before sorting them
             params = runner.requests[c.req_id].sampling_params
             if params is not None:
                 ids.append(np.fromiter(params.all_stop_token_ids, dtype=token_ids_cpu.dtype))
         ids = np.unique(np.concatenate(ids))
-        ids = ids[(ids >= head.kept) & (ids < head.vocab_size)]
-        return torch.from_numpy(ids.astype(np.int64))
+        extra_ids = torch.from_numpy(ids[(ids >= head.kept) & (ids < head.vocab_size)].astype(np.int64))
+        return extra_ids, logit_columns(head.kept, extra_ids)
 
     def _children(self, hidden: torch.Tensor, stats: GsdStats, candidates: list[_Candidate] | None = None,
                   request_index: np.ndarray | None = None, depth: np.ndarray | None = None,
-                  extra_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  vocabulary: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's top_k children of each row: (tokens int64 [R, k], probs float32 [R, k],
         descending), CPU. Row r belongs to candidates[request_index[r]] at primary depth
         depth[r]. Greedy requests: the top-k of the draft's softmax. Sampled requests: the
         Gumbel-top-k of the draft's processed scores with the noise of the children's position
         (engine/sampling.py), probs under the noisy softmax. The LM head and its softmax run in
         row chunks (one [chunk, V] float32 copy at a time). A reduced head
-        (engine/draft_head.py) scores its kept ids and `extra_ids`: the softmax is over those,
-        and the other ids are never children."""
+        (engine/draft_head.py) scores its kept ids and the step's extra ones (`vocabulary`, from
+        _step_vocabulary): the softmax is over those, and the other ids are never children."""
         started = time.perf_counter()
         k = self.graph_params.top_k
         head = self.draft_head
-        # Token id of each logit column, where the head leaves ids out.
-        columns = logit_columns(head.kept, extra_ids) if getattr(head, "reduced", False) else None
+        if vocabulary is None and getattr(head, "reduced", False):  # dummy runs: the kept ids alone
+            vocabulary = (None, logit_columns(head.kept, None))
+        extra_ids, columns = vocabulary if vocabulary is not None else (None, None)
         tokens = torch.empty((hidden.shape[0], k), dtype=torch.int64)
         probs = torch.empty((hidden.shape[0], k), dtype=torch.float32)
         sampled = np.zeros(hidden.shape[0], dtype=bool)
