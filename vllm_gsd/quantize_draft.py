@@ -40,23 +40,30 @@ def is_projection(name: str) -> bool:
     return name.endswith(".weight") and any(f".{p}." in name for p in PROJECTIONS)
 
 
-def quantization_config() -> dict:
+def quantization_config(symmetric_activations: bool = True) -> dict:
     """The config.json entry vLLM's compressed-tensors loader reads: int8 per-channel weights,
-    dynamic symmetric int8 per-token activations, on every Linear but the LM head."""
+    dynamic int8 per-token activations (symmetric, or with a zero point), on every Linear but
+    the LM head."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
-    int8 = dict(num_bits=8, type="int", symmetric=True)
+    int8 = dict(num_bits=8, type="int")
     scheme = QuantizationScheme(
         targets=["Linear"],
-        weights=QuantizationArgs(**int8, strategy="channel"),
-        input_activations=QuantizationArgs(**int8, strategy="token", dynamic=True),
+        weights=QuantizationArgs(**int8, symmetric=True, strategy="channel"),
+        input_activations=QuantizationArgs(**int8, symmetric=symmetric_activations, strategy="token",
+                                           dynamic=True),
     )
     config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"], format="int-quantized")
     return config.model_dump(exclude_none=True)
 
 
-def quantize_checkpoint(src: Path, dst: Path) -> int:
-    """Write src's int8 copy to dst; return how many projections were quantized."""
+def quantize_checkpoint(src: Path, dst: Path, symmetric_activations: bool = True) -> int:
+    """Write src's int8 copy to dst; return how many projections were quantized.
+
+    Symmetric activations are what the fast kernels take: on CPUs with AMX tiles vLLM 0.32 runs
+    them through its AMX int8 GEMM, which takes bfloat16 or float16 activations only (a float32
+    model fails at start there, in vLLM, with or without speculation). Activations with a zero
+    point run oneDNN's int8 GEMM on every CPU and in every dtype."""
     from safetensors.torch import load_file, save_file
 
     config = json.loads((src / "config.json").read_text())
@@ -88,7 +95,7 @@ def quantize_checkpoint(src: Path, dst: Path) -> int:
         contents = json.loads(index.read_text())
         contents["weight_map"].update(scale_shard)
         index.write_text(json.dumps(contents, indent=2))
-    config["quantization_config"] = quantization_config()
+    config["quantization_config"] = quantization_config(symmetric_activations)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return quantized
 

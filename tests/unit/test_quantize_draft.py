@@ -63,16 +63,18 @@ def test_checkpoint_quantizes_projections_only(tmp_path):
     assert config["quantization_config"]["quant_method"] == "compressed-tensors"
 
 
-def test_vllm_reads_the_config_as_dynamic_w8a8_int8():
+@pytest.mark.parametrize("symmetric_activations", [True, False])
+def test_vllm_reads_the_config_as_dynamic_w8a8_int8(symmetric_activations):
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsConfig,
     )
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Int8
 
-    config = CompressedTensorsConfig.from_config(quantization_config())
+    config = CompressedTensorsConfig.from_config(quantization_config(symmetric_activations))
     scheme = config.get_scheme(torch.nn.Linear(8, 8), layer_name="model.layers.0.mlp.down_proj")
     assert isinstance(scheme, CompressedTensorsW8A8Int8)
-    assert not scheme.is_static_input_scheme and scheme.input_symmetric
+    assert not scheme.is_static_input_scheme
+    assert scheme.input_symmetric == symmetric_activations
     assert "lm_head" in config.ignore
 
 

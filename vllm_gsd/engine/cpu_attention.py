@@ -12,7 +12,7 @@ tiles vLLM would pick a tiled "amx" packing for bf16, so the builder pins the po
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +48,21 @@ class CpuTreePlan:
     key_valid: torch.Tensor | None  # bool [Bt, 1, S, 1]: the key is one of its request's tokens
     # (None: every key is, S being every request's length)
     covers_all_rows: bool
+    tokens: torch.Tensor  # int64 [T_tree]: forward token of each real row, in row order
+    valid_rows: torch.Tensor | None  # int64 [T_tree]: the real rows among [Bt * Q] (None: all are)
+    # The mask as a float bias in the layers' score layout, built by the first layer that asks
+    # (a model's layers share their head counts) rather than broadcast and filled in every layer.
+    _bias: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def bias(self, num_kv_heads: int, group: int) -> torch.Tensor:
+        """float32 [Bt * Hkv, g * Q, S]: -inf where the row may not see the key, else 0."""
+        key = (num_kv_heads, group)
+        if key not in self._bias:
+            num, _, _, num_rows, num_keys = self.hidden.shape
+            bias = torch.zeros(self.hidden.shape, dtype=torch.float32).masked_fill_(self.hidden, float("-inf"))
+            self._bias[key] = bias.expand(num, num_kv_heads, group, num_rows, num_keys).reshape(
+                num * num_kv_heads, group * num_rows, num_keys)
+        return self._bias[key]
 
 
 def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: list[int], query_len: list[int],
@@ -70,8 +85,10 @@ def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: l
             query_tree_row[q0:q0 + q_len].long(), seq_len, tree_base[b], ancestor_words[b])
         key_valid[b, 0, :seq_len] = True
     padded = min(seq_lens) < num_keys
+    valid_rows = None if min(query_len) == max_q else torch.nonzero(row_valid.view(-1)).squeeze(1)
     return CpuTreePlan(token_index, row_valid, block_table[:, :-(-num_keys // block_size)].long(),
-                       ~visible.view(num, 1, 1, max_q, num_keys), key_valid if padded else None, covers_all_rows)
+                       ~visible.view(num, 1, 1, max_q, num_keys), key_valid if padded else None, covers_all_rows,
+                       token_index[row_valid], valid_rows)
 
 
 def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuTreePlan, scale: float,
@@ -85,32 +102,40 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuT
 
     Two batched GEMMs per layer, query heads grouped by their KV head ([Hkv, g * Q] rows) rather
     than SDPA with GQA, which copies the keys and values per query head; the keys' dim-major
-    blocks are the K^T operand as they lie. 15-30% faster than SDPA at a tree's few rows here.
+    blocks are the K^T operand as they lie, and the mask enters the first GEMM as its bias. At a
+    tree's few rows a layer is a dozen small ops, so their number is what costs: 15-30% faster
+    than SDPA, and a third faster than filling the mask into the scores.
     """
     num, num_pages = plan.pages.shape
     _, num_kv_heads, block_size, two_d = kv_cache.shape
     _, num_heads, head_size = query.shape
     group, num_rows, num_keys = num_heads // num_kv_heads, plan.token_index.shape[1], plan.hidden.shape[-1]
+    batches = num * num_kv_heads
     # index_select, not kv_cache[pages]: advanced indexing of the cache costs 5x as much here.
     paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2, block_size, head_size)
     keys_t = torch.empty((num, num_kv_heads, head_size, num_pages, block_size), dtype=torch.float32)
     keys_t.copy_(paged[:, :, :, 0].view(num, num_pages, num_kv_heads, head_size, block_size).permute(0, 2, 3, 1, 4))
+    keys_t = keys_t.view(num, num_kv_heads, head_size, num_pages * block_size)[..., :num_keys]
     values = torch.empty((num, num_kv_heads, num_pages, block_size, head_size), dtype=torch.float32)
     values.copy_(paged[:, :, :, 1].permute(0, 2, 1, 3, 4))
     values = values.view(num, num_kv_heads, num_pages * block_size, head_size)[:, :, :num_keys]
     if plan.key_valid is not None:
-        # A slot past a shorter request's tokens may hold anything (NaN included): 0 * NaN is NaN.
+        # A slot past a shorter request's tokens may hold anything (NaN included): NaN + -inf
+        # and 0 * NaN are NaN.
+        keys_t = torch.where(plan.key_valid.transpose(-1, -2), keys_t, 0.0)
         values = torch.where(plan.key_valid, values, 0.0)
     q = torch.empty((num, num_kv_heads, group, num_rows, head_size), dtype=torch.float32)
-    q.copy_(query[plan.token_index].view(num, num_rows, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4))
-    q.mul_(scale)
-    scores = torch.matmul(q.view(num, num_kv_heads, group * num_rows, head_size),
-                          keys_t.view(num, num_kv_heads, head_size, num_pages * block_size)[..., :num_keys])
-    scores = scores.view(num, num_kv_heads, group, num_rows, num_keys).masked_fill_(plan.hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num, num_kv_heads, group * num_rows, num_keys)
-    attended = torch.matmul(probs, values).view(num, num_kv_heads, group, num_rows, head_size)
-    rows = attended.permute(0, 3, 1, 2, 4)[plan.row_valid]  # [T_tree, Hkv, g, D]
-    output[plan.token_index[plan.row_valid]] = rows.reshape(-1, num_heads, head_size).to(output.dtype)
+    q.copy_(query.index_select(0, plan.token_index.view(-1))
+            .view(num, num_rows, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4))
+    scores = torch.baddbmm(plan.bias(num_kv_heads, group), q.view(batches, group * num_rows, head_size),
+                           keys_t.reshape(batches, head_size, num_keys), alpha=scale)
+    probs = torch.softmax(scores, dim=-1)
+    attended = torch.bmm(probs, values.reshape(batches, num_keys, head_size))
+    rows = attended.view(num, num_kv_heads, group, num_rows, head_size).permute(0, 3, 1, 2, 4).reshape(
+        num * num_rows, num_heads, head_size)
+    if plan.valid_rows is not None:
+        rows = rows.index_select(0, plan.valid_rows)
+    output.index_copy_(0, plan.tokens, rows.to(output.dtype))
 
 
 class GsdCpuAttentionMetadataBuilder(GraphMetadataBuilder, CPUAttentionMetadataBuilder):
