@@ -104,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
+    parser.add_argument("--zero-point-activations", action="store_true",
+                        help="quantize activations with a zero point (oneDNN's int8 GEMM on every CPU, float32 included)")
     args = parser.parse_args(argv)
     try:
-        count = quantize_checkpoint(args.src, args.dst)
+        count = quantize_checkpoint(args.src, args.dst, symmetric_activations=not args.zero_point_activations)
     except ValueError as error:
         print(f"quantize_draft: {error}", file=sys.stderr)
         return 2

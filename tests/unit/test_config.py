@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,32 @@ def test_plugin_loads_through_entry_point_in_a_fresh_process(models):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert "METHOD gsd" in out.stdout, out.stderr[-2000:]
+
+
+def _int8_draft(models, root, symmetric_activations: bool) -> str:
+    from vllm_gsd.quantize_draft import quantization_config
+
+    config = json.loads((Path(models["draft"]) / "config.json").read_text())
+    config["quantization_config"] = quantization_config(symmetric_activations)
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
+
+
+def test_an_int8_draft_the_cpu_cannot_run_is_refused_by_name(models, tmp_path, monkeypatch):
+    """On CPUs with AMX tiles, vLLM 0.32's int8 GEMM for symmetric activations takes no float32:
+    the engine refuses at start with what to change, instead of failing in its first forward."""
+    import vllm_gsd.engine.config as gsd_config
+
+    monkeypatch.setattr(gsd_config, "_cpu_has_amx_tiles", lambda: True)
+    symmetric = _int8_draft(models, tmp_path / "symmetric", True)
+    with pytest.raises(Exception) as err:
+        engine_config(models, gsd_spec(models, model=symmetric), dtype="float32")
+    assert "speculative_config.model" in str(err.value) and "bfloat16" in str(err.value)
+    # What runs there: bfloat16, or activations with a zero point (oneDNN's GEMM).
+    assert engine_config(models, gsd_spec(models, model=symmetric), dtype="bfloat16").speculative_config
+    zero_point = _int8_draft(models, tmp_path / "zero_point", False)
+    assert engine_config(models, gsd_spec(models, model=zero_point), dtype="float32").speculative_config
+    # Without AMX tiles every CPU takes it (oneDNN).
+    monkeypatch.setattr(gsd_config, "_cpu_has_amx_tiles", lambda: False)
+    assert engine_config(models, gsd_spec(models, model=symmetric), dtype="float32").speculative_config

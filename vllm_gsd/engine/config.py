@@ -18,7 +18,7 @@ User-facing contract::
 `GsdConfig` validates the block (pydantic: every bad value fails with the field's name and its
 allowed range). `finalize_gsd_speculative_config` runs inside `SpeculativeConfig.__post_init__`
 (see engine/patches.py) and checks what only the whole config can tell: the node budget, the
-draft's vocabulary, the draft's tensor parallelism.
+draft's vocabulary, the draft's tensor parallelism, an int8 draft the CPU's kernels cannot run.
 """
 
 from __future__ import annotations
@@ -167,12 +167,44 @@ def finalize_gsd_speculative_config(spec: SpeculativeConfig) -> None:
             f"logprobs_mode={target.logprobs_mode!r} is not supported with speculative method "
             "'gsd' (it reports raw logprobs along the accepted path); use 'raw_logprobs'"
         )
+    if draft is not None and _cpu_has_amx_tiles():
+        refusal = amx_int8_refusal(draft.dtype, getattr(draft.hf_config, "quantization_config", None))
+        if refusal is not None:
+            raise ValueError(f"speculative_config.model: {refusal}")
     target_tp = spec.target_parallel_config.tensor_parallel_size if spec.target_parallel_config else 1
     if spec.draft_tensor_parallel_size not in (None, target_tp):
         raise ValueError(
             "speculative_config.draft_tensor_parallel_size must equal the target's "
             f"tensor_parallel_size ({target_tp}) for method 'gsd', got {spec.draft_tensor_parallel_size}"
         )
+
+
+def amx_int8_refusal(dtype: Any, quantization_config: dict | None) -> str | None:
+    """Why vLLM 0.32 cannot run a draft of this dtype and quantization on an x86 CPU with AMX
+    tiles, or None. There its int8 GEMM for symmetric activations (compressed-tensors W8A8, as
+    scripts/quantize_draft.py writes by default) takes bfloat16 or float16 activations only: a
+    float32 draft fails inside vLLM's first forward, with the draft_model method too."""
+    import torch
+
+    if dtype != torch.float32 or not isinstance(quantization_config, dict):
+        return None
+    if quantization_config.get("quant_method") != "compressed-tensors":
+        return None
+    for group in (quantization_config.get("config_groups") or {}).values():
+        activations = (group or {}).get("input_activations") or {}
+        if activations.get("num_bits") == 8 and activations.get("type") == "int" and activations.get("symmetric"):
+            return ("an int8 (W8A8) draft with symmetric activations cannot run in float32 on a CPU with AMX "
+                    "tiles: vLLM's AMX int8 GEMM takes bfloat16 or float16 activations. Use dtype bfloat16, "
+                    "or a draft whose activations carry a zero point (scripts/quantize_draft.py "
+                    "--zero-point-activations)")
+    return None
+
+
+def _cpu_has_amx_tiles() -> bool:
+    import torch
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
 
 
 def is_gsd(spec: Any) -> bool:
