@@ -78,12 +78,14 @@ def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
     assert 0 < delta["nodes_proposed"] <= 8 * delta["steps_speculated"]
     assert delta["nodes_proposed"] < delta["nodes_offered"]
     assert delta["accepted_nodes"] > 0
-    # A draft level costs a tenth of a target step: where the draft is too unsure of a level's
-    # children for them to pay for it, the step stops drafting before its depth.
+    # A draft level costs a tenth of a target step: levels whose children are too unsure to pay
+    # for it are left out, by the depth the policy allows the step (its expected rate by depth)
+    # or within the step (next_level_pays, tests/unit/test_budget.py). Which of the two does it
+    # depends on the tiny models, trained on each machine (testing/tiny_models.py).
     print(f"levels drafted {delta['levels_drafted']}, left out {delta['levels_not_paying']} "
           f"in {delta['steps_speculated']} drafted steps")
-    assert delta["levels_not_paying"] > 0
     assert delta["levels_drafted"] + delta["levels_not_paying"] <= 4 * delta["steps_speculated"]
+    assert delta["levels_drafted"] < 4 * delta["steps_speculated"]
 
 
 def test_many_requests_decode_plainly_then_speculate_as_they_finish(costly_gsd, engines, tokenizer):
