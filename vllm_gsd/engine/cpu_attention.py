@@ -42,7 +42,6 @@ class CpuTreePlan:
     """
 
     token_index: torch.Tensor  # int64 [Bt, Q]: forward token of each padded query row
-    row_valid: torch.Tensor  # bool [Bt, Q]
     pages: torch.Tensor  # int64 [Bt, P]: cache blocks of each request, in order
     hidden: torch.Tensor  # bool [Bt, 1, 1, Q, S]: True = the row may not see the key
     key_valid: torch.Tensor | None  # bool [Bt, 1, S, 1]: the key is one of its request's tokens
@@ -86,7 +85,7 @@ def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: l
         key_valid[b, 0, :seq_len] = True
     padded = min(seq_lens) < num_keys
     valid_rows = None if min(query_len) == max_q else torch.nonzero(row_valid.view(-1)).squeeze(1)
-    return CpuTreePlan(token_index, row_valid, block_table[:, :-(-num_keys // block_size)].long(),
+    return CpuTreePlan(token_index, block_table[:, :-(-num_keys // block_size)].long(),
                        ~visible.view(num, 1, 1, max_q, num_keys), key_valid if padded else None, covers_all_rows,
                        token_index[row_valid], valid_rows)
 
