@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._triton_compat import jit, next_pow2, require_triton, tl
-from .paged_layout import split_kv_cache
+from .paged_layout import CpuPacking, cpu_token_views, split_kv_cache
 
 __all__ = ["compact_kv", "compact_kv_ref"]
 
@@ -58,10 +58,22 @@ def compact_kv_ref(
     accepted_rows: torch.Tensor,  # int64 [B, N + 1], -1 padded
     num_accepted: torch.Tensor,  # int [B]
     layout: str = "gpu",
+    packing: CpuPacking | None = None,
 ) -> None:
-    """Torch compaction, in place: gather all sources, then scatter (overlap-safe)."""
+    """Torch compaction, in place: gather all sources, then scatter (overlap-safe).
+
+    ``packing``: with ``layout="cpu"``, how the ISA packs a block (paged_layout.cpu_packing;
+    None: "vec")."""
     sb, so, db, do = _moves(block_table, block_size, tree_base, accepted_rows, num_accepted)
     if sb.numel() == 0:
+        return
+    if packing is not None:
+        if layout != "cpu":
+            raise ValueError(f"a CPU packing is for layout 'cpu', not {layout!r}")
+        for kv_cache in kv_caches:
+            assert kv_cache.shape[2] == block_size, f"cache block size {kv_cache.shape[2]} != {block_size}"
+            for kind, view in zip(("key", "value"), cpu_token_views(kv_cache, packing)):
+                view[(db, *packing.token_digits(kind, do))] = view[(sb, *packing.token_digits(kind, so))]
         return
     for kv_cache in kv_caches:
         for cache in split_kv_cache(kv_cache, layout):  # canonical [nb, bs, Hkv, D] views

@@ -43,24 +43,35 @@ Layouts (names accepted by ``layout=`` arguments in this package)
       ``[head_size, block_size]`` matrix (the C++ kernel does q.K over a block's tokens
       with unit stride). Reading ``key_cache[blk, h, s, :]`` directly would be WRONG.
 
-    Not supported (a different, tiled packing): isa ``"amx"`` (bf16 on CPUs with AMX tiles,
-    block_size % 32 == 0): there keys and values are VNNI-packed in 16-token tiles (e.g. key
-    (s=1, d=0) sits at element 2, (s=0, d=2) at 32; value (s=1, d=0) at 1, (s=2, d=0) at 32).
-    ``neon`` (ARM), ``vsx``, ``vxe``, ``rvv`` were not checked. The engine must pick these
-    kernels' ``"cpu"`` layout only when vLLM's ``_get_attn_isa(...)`` is ``"vec"`` or
-    ``"vec16"`` (see ``CPU_SUPPORTED_ISAS``), and otherwise fall back (no speculation) or
-    force those ISAs.
+    isa ``"amx"`` (bf16 on CPUs with AMX tiles, block_size % 32 == 0) packs each half in
+    tiles for its tile GEMMs instead (``CpuPacking`` below, checked the same way):
+
+    * **keys** in 16-token tiles of dim pairs: key (``s``, ``d``) at element
+      ``(s // 16) * 16 * head_size + (d // 2) * 32 + (s % 16) * 2 + d % 2``;
+    * **values** in 16-dim tiles of token pairs: value (``s``, ``d``) at element
+      ``(d // 16) * 16 * block_size + (s // 2) * 32 + (d % 16) * 2 + s % 2``.
+
+    Neither is a strided ``[block_size, head_size]`` view, so the canonical views below cover
+    ``"vec"``/``"vec16"`` only; the CPU engine reads and moves the cache through
+    ``CpuPacking.token_dim_view``, which covers all three. ``neon`` (ARM), ``vsx``, ``vxe``,
+    ``rvv`` were not checked: the engine pins ``"vec"``/``"vec16"`` there
+    (``CPU_SUPPORTED_ISAS``).
 
 This module must not import vLLM (the GPU check machine has no vLLM).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 __all__ = [
     "LAYOUTS",
     "CPU_SUPPORTED_ISAS",
+    "CpuPacking",
+    "cpu_packing",
+    "cpu_token_views",
     "canonical_kv",
     "split_kv_cache",
     "cpu_kv_cache_shape",
@@ -68,7 +79,71 @@ __all__ = [
 ]
 
 LAYOUTS = ("gpu", "gpu_bhnc", "cpu")
-CPU_SUPPORTED_ISAS = ("vec", "vec16")
+CPU_SUPPORTED_ISAS = ("vec", "vec16", "amx")
+
+
+@dataclass(frozen=True)
+class CpuPacking:
+    """How CPU_ATTN packs the keys (and the values) of one (block, kv head): a row-major array
+    of block_size * head_size elements whose axes are factors of the token index s and the dim
+    index d, outermost first, as (axis, size). An axis's first factor is its most significant
+    digit: amx keys ``(("s", bs // 16), ("d", D // 2), ("s", 16), ("d", 2))`` hold (s, d) at
+    multi-index (s // 16, d // 2, s % 16, d % 2)."""
+
+    key: tuple[tuple[str, int], ...]
+    value: tuple[tuple[str, int], ...]
+
+    def token_dim_view(self, half: torch.Tensor, kind: str) -> torch.Tensor:
+        """``half [..., block_size * head_size]`` (the key or value half of runs) -> a view
+        ``[..., *s_sizes, *d_sizes]``: the token's digits, then the dim's, each outermost first."""
+        factors = self.key if kind == "key" else self.value
+        lead = half.dim() - 1
+        shaped = half.view(*half.shape[:-1], *(size for _, size in factors))
+        s_axes = [lead + i for i, (axis, _) in enumerate(factors) if axis == "s"]
+        d_axes = [lead + i for i, (axis, _) in enumerate(factors) if axis == "d"]
+        return shaped.permute(*range(lead), *s_axes, *d_axes)
+
+    def token_digits(self, kind: str, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Token indices s (any shape) -> their digits, indexing token_dim_view's s axes."""
+        factors = self.key if kind == "key" else self.value
+        sizes = [size for axis, size in factors if axis == "s"]
+        digits = []
+        for i in range(len(sizes)):
+            inner = 1
+            for size in sizes[i + 1:]:
+                inner *= size
+            digits.append((s // inner) % sizes[i])
+        return tuple(digits)
+
+    def num_axes(self, kind: str, axis: str) -> int:
+        return sum(a == axis for a, _ in (self.key if kind == "key" else self.value))
+
+
+def cpu_packing(isa: str, block_size: int, head_size: int) -> CpuPacking:
+    """The packing vLLM 0.32's CPU_ATTN writes for `isa` (see the module docstring)."""
+    if isa in ("vec", "vec16"):
+        return CpuPacking(key=(("d", head_size), ("s", block_size)),
+                          value=(("s", block_size), ("d", head_size)))
+    if isa == "amx":
+        if block_size % 32 or head_size % 32:
+            raise ValueError(f"amx packing needs block_size and head_size divisible by 32, "
+                             f"got {block_size} and {head_size}")
+        return CpuPacking(key=(("s", block_size // 16), ("d", head_size // 2), ("s", 16), ("d", 2)),
+                          value=(("d", head_size // 16), ("s", block_size // 2), ("d", 16), ("s", 2)))
+    raise ValueError(f"no known CPU cache packing for isa {isa!r}; known: {CPU_SUPPORTED_ISAS}")
+
+
+def cpu_token_views(kv_cache: torch.Tensor, packing: CpuPacking) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's CPU_ATTN cache ``[nb, Hkv, bs, 2 * D]`` -> (key, value) views
+    ``[nb, *s_digits, Hkv, *d_digits]``: index a token with (block, *packing.token_digits(...))."""
+    nb, hkv, bs, two_d = kv_cache.shape
+    halves = kv_cache.view(nb, hkv, 2, bs * (two_d // 2))
+    views = []
+    for index, kind in enumerate(("key", "value")):
+        view = packing.token_dim_view(halves[:, :, index], kind)  # [nb, Hkv, *s, *d]
+        num_s = packing.num_axes(kind, "s")
+        views.append(view.permute(0, *range(2, 2 + num_s), 1, *range(2 + num_s, view.dim())))
+    return views[0], views[1]
 
 
 def gpu_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int):

@@ -1,5 +1,6 @@
 """compact_kv (Triton) against compact_kv_ref and a sequential python oracle, over every
-layout, several layers, paths crossing block edges, nothing/everything accepted."""
+layout (and every CPU packing), several layers, paths crossing block edges, nothing/everything
+accepted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from kernel_testutils import gen, make_paged_kv, randint, random_parents
 from vllm_gsd.kernels import compact_kv, compact_kv_ref, split_kv_cache
+from vllm_gsd.kernels.paged_layout import cpu_packing, cpu_token_views
 
 
 def _random_paths(g, trees, n_budget):
@@ -83,3 +85,35 @@ def test_nothing_accepted_is_a_no_op():
     compact_kv([p.kv_cache], p.block_table, 16, torch.tensor([3, 1], dtype=torch.int32), rows,
                torch.zeros(2, dtype=torch.int64))
     assert torch.equal(before, p.kv_cache)
+
+
+@pytest.mark.parametrize("isa,block_size,d", [("vec", 32, 64), ("vec16", 16, 80), ("amx", 32, 64), ("amx", 64, 128)])
+def test_reference_moves_tokens_in_every_cpu_packing(isa, block_size, d):
+    """The CPU engine compacts through the packing vLLM's CPU attention picked: every accepted
+    token (all its keys and values, every head) lands where that packing reads it, and nothing
+    else changes. Checked on token views (test_kernel_paged_layout checks them against vLLM)."""
+    g = gen(11)
+    hkv, n_budget = 2, 20
+    trees = [random_parents(n, g) for n in (n_budget, 7, n_budget)]
+    ctxs = [block_size - 5, 3, 2 * block_size - 2]
+    rows, acc = _random_paths(g, trees, n_budget)
+    acc[2] = 0  # a tree with nothing accepted: untouched
+    paged = make_paged_kv([c + len(t) + 1 for c, t in zip(ctxs, trees)], hkv, d, block_size,
+                          torch.bfloat16, "cpu", g)
+    layer = torch.randn(paged.kv_cache.shape, generator=g).to(torch.bfloat16)
+    packing = cpu_packing(isa, block_size, d)
+    tree_base = torch.tensor(ctxs, dtype=torch.int32)
+    moved = layer.clone()
+    compact_kv_ref([moved], paged.block_table, block_size, tree_base, rows, acc, layout="cpu", packing=packing)
+
+    expect = [view.clone() for view in cpu_token_views(layer, packing)]
+    for kind, view in zip(("key", "value"), expect):
+        for b in range(len(trees)):
+            for k in range(1, int(acc[b]) + 1):  # ascending sequential copy
+                src, dst = ctxs[b] + int(rows[b, k]), ctxs[b] + k
+                src_at, dst_at = ((paged.block_table[b, p // block_size].long(),
+                                   *packing.token_digits(kind, torch.tensor(p % block_size))) for p in (src, dst))
+                view[dst_at] = view[src_at].clone()
+    for kind, got, want in zip(("key", "value"), cpu_token_views(moved, packing), expect):
+        assert torch.equal(got, want), f"{kind}s moved wrongly"
+    assert not torch.equal(moved, layer), "test moved nothing"

@@ -11,7 +11,7 @@ import torch
 
 from kernel_testutils import gen, make_attn_batch
 from vllm_gsd.kernels import graph_attention_ref, split_kv_cache
-from vllm_gsd.kernels.paged_layout import cpu_kv_cache_shape
+from vllm_gsd.kernels.paged_layout import cpu_kv_cache_shape, cpu_packing, cpu_token_views
 
 
 def _vllm_ops():
@@ -46,6 +46,38 @@ def test_cpu_cache_writer_matches_split_views(isa, dtype, block_size, head_dim):
     k_view, v_view = split_kv_cache(kv, "cpu")
     torch.testing.assert_close(k_view[slots // block_size, slots % block_size], key, atol=0, rtol=0)
     torch.testing.assert_close(v_view[slots // block_size, slots % block_size], value, atol=0, rtol=0)
+
+
+@needs_vllm_cpu
+@pytest.mark.parametrize("isa,dtype,block_size,head_dim", [
+    ("vec", torch.float32, 32, 64), ("vec16", torch.float16, 16, 80),
+    ("amx", torch.bfloat16, 32, 128), ("amx", torch.bfloat16, 32, 64), ("amx", torch.bfloat16, 64, 32),
+    ("amx", torch.bfloat16, 128, 96),
+])
+def test_cpu_packing_reads_what_vllm_writes(isa, dtype, block_size, head_dim):
+    """Every token vLLM's cache writer packs for the ISA is where cpu_packing's views find it
+    (vLLM's CPU attention kernel picks the ISA; the tree path and the compaction read and move
+    the cache through these views)."""
+    g = gen(33)
+    num_blocks, hkv, t = 4, 3, 2 * block_size + 5
+    kv = torch.full(cpu_kv_cache_shape(num_blocks, block_size, hkv, head_dim), float("nan"), dtype=dtype)
+    nb, h, bs, two_d = kv.shape
+    key_cache, value_cache = kv.view(nb, h, 2 * bs, two_d // 2).chunk(2, dim=2)
+    key = torch.randn((t, hkv, head_dim), generator=g).to(dtype)
+    value = torch.randn((t, hkv, head_dim), generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    packing = cpu_packing(isa, block_size, head_dim)
+    for kind, view, written in zip(("key", "value"), cpu_token_views(kv, packing), (key, value)):
+        read = view[(slots // block_size, *packing.token_digits(kind, slots % block_size))]  # [t, Hkv, *d]
+        torch.testing.assert_close(read.reshape(t, hkv, head_dim), written, atol=0, rtol=0)
+
+
+def test_cpu_packing_refuses_what_it_does_not_know():
+    with pytest.raises(ValueError, match="neon"):
+        cpu_packing("neon", 32, 64)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        cpu_packing("amx", 16, 64)
 
 
 @needs_vllm_cpu

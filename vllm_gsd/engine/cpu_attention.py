@@ -6,8 +6,9 @@ visibility_mask`, the mask the Triton kernel is tested against), reading the pag
 batched call per layer over the tree requests, padded to the longest. What every layer of a
 forward shares (mask, KV pages to read, rows) is planned once, when the metadata is built.
 
-The cache is read in the packing of the C++ kernel's "vec"/"vec16" ISAs; on CPUs with AMX
-tiles vLLM would pick a tiled "amx" packing for bf16, so the builder pins the portable ISA.
+The cache is read in the packing of the ISA vLLM picked for the C++ kernel (kernels/paged_layout.py:
+"vec"/"vec16", or the tiled "amx" of bf16 on CPUs with AMX tiles); on CPUs whose packing this
+package has not checked (ARM, POWER, s390x, RISC-V) the builder pins the portable "vec"/"vec16".
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_gsd.engine.graph_attention_backend import GraphAttentionImpl, GraphMetadataBuilder
 from vllm_gsd.engine.tree_batch import TreeAttention
 from vllm_gsd.kernels.graph_attention import visibility_mask
-from vllm_gsd.kernels.paged_layout import CPU_SUPPORTED_ISAS
+from vllm_gsd.kernels.paged_layout import CPU_SUPPORTED_ISAS, CpuPacking, cpu_packing
 
 
 @dataclass
@@ -49,6 +50,7 @@ class CpuTreePlan:
     covers_all_rows: bool
     tokens: torch.Tensor  # int64 [T_tree]: forward token of each real row, in row order
     valid_rows: torch.Tensor | None  # int64 [T_tree]: the real rows among [Bt * Q] (None: all are)
+    packing: CpuPacking  # how the cache's ISA packs a block (kernels/paged_layout.py)
     # The mask as a float bias in the layers' score layout, built by the first layer that asks
     # (a model's layers share their head counts) rather than broadcast and filled in every layer.
     _bias: dict = field(default_factory=dict, compare=False, repr=False)
@@ -66,7 +68,7 @@ class CpuTreePlan:
 
 def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: list[int], query_len: list[int],
                   tree_base: list[int], query_tree_row: torch.Tensor, ancestor_words: torch.Tensor,
-                  block_size: int, covers_all_rows: bool) -> CpuTreePlan:
+                  block_size: int, covers_all_rows: bool, packing: CpuPacking) -> CpuTreePlan:
     """The plan of `paged_tree_attention` for Bt tree requests: request b's query rows are the
     forward's tokens query_start[b] + [0, query_len[b]), its KV the first seq_lens[b] slots of
     its block_table row [Bt, >= P]; query_tree_row [T] and ancestor_words [Bt, R, W] as in
@@ -87,7 +89,7 @@ def plan_cpu_tree(block_table: torch.Tensor, seq_lens: list[int], query_start: l
     valid_rows = None if min(query_len) == max_q else torch.nonzero(row_valid.view(-1)).squeeze(1)
     return CpuTreePlan(token_index, block_table[:, :-(-num_keys // block_size)].long(),
                        ~visible.view(num, 1, 1, max_q, num_keys), key_valid if padded else None, covers_all_rows,
-                       token_index[row_valid], valid_rows)
+                       token_index[row_valid], valid_rows, packing)
 
 
 def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuTreePlan, scale: float,
@@ -96,12 +98,14 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuT
     slots of each request's pages (S = its longest request's length).
 
     query, output [T, Hq, D]; kv_cache [num_blocks, Hkv, block_size, 2 * D]: per (block, head)
-    the keys stored dim-major ([D, block_size]), then the values token-major
-    (kernels/paged_layout.py). Writes output's rows of the plan's tokens, nothing else.
+    the keys, then the values, each packed as plan.packing says (kernels/paged_layout.py). Writes
+    output's rows of the plan's tokens, nothing else.
 
     Two batched GEMMs per layer, query heads grouped by their KV head ([Hkv, g * Q] rows) rather
-    than SDPA with GQA, which copies the keys and values per query head; the keys' dim-major
-    blocks are the K^T operand as they lie, and the mask enters the first GEMM as its bias. At a
+    than SDPA with GQA, which copies the keys and values per query head; keys and values are
+    read in the orientation their packing stores innermost ("vec": K^T and V; "amx": K and V^T,
+    its token or dim pairs moved as 32-bit units), each in the strided copy that converts it to
+    float32, which the GEMMs take as it lies; the mask enters the first GEMM as its bias. At a
     tree's few rows a layer is a dozen small ops, so their number is what costs: 15-30% faster
     than SDPA, and a third faster than filling the mask into the scores.
     """
@@ -111,25 +115,24 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuT
     group, num_rows, num_keys = num_heads // num_kv_heads, plan.token_index.shape[1], plan.hidden.shape[-1]
     batches = num * num_kv_heads
     # index_select, not kv_cache[pages]: advanced indexing of the cache costs 5x as much here.
-    paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2, block_size, head_size)
-    keys_t = torch.empty((num, num_kv_heads, head_size, num_pages, block_size), dtype=torch.float32)
-    keys_t.copy_(paged[:, :, :, 0].view(num, num_pages, num_kv_heads, head_size, block_size).permute(0, 2, 3, 1, 4))
-    keys_t = keys_t.view(num, num_kv_heads, head_size, num_pages * block_size)[..., :num_keys]
-    values = torch.empty((num, num_kv_heads, num_pages, block_size, head_size), dtype=torch.float32)
-    values.copy_(paged[:, :, :, 1].permute(0, 2, 1, 3, 4))
-    values = values.view(num, num_kv_heads, num_pages * block_size, head_size)[:, :, :num_keys]
+    paged = kv_cache.index_select(0, plan.pages.view(-1)).view(num, num_pages, num_kv_heads, 2, block_size * head_size)
+    keys, keys_by_token = _unpacked(paged[:, :, :, 0], plan.packing, "key", head_size, num_keys)
+    values, values_by_token = _unpacked(paged[:, :, :, 1], plan.packing, "value", head_size, num_keys)
     if plan.key_valid is not None:
         # A slot past a shorter request's tokens may hold anything (NaN included): NaN + -inf
         # and 0 * NaN are NaN.
-        keys_t = torch.where(plan.key_valid.transpose(-1, -2), keys_t, 0.0)
-        values = torch.where(plan.key_valid, values, 0.0)
+        by_token, by_dim = plan.key_valid, plan.key_valid.transpose(-1, -2)
+        keys = torch.where(by_token if keys_by_token else by_dim, keys, 0.0)
+        values = torch.where(by_token if values_by_token else by_dim, values, 0.0)
+    keys = keys.reshape(batches, *keys.shape[2:])
+    values = values.reshape(batches, *values.shape[2:])
     q = torch.empty((num, num_kv_heads, group, num_rows, head_size), dtype=torch.float32)
     q.copy_(query.index_select(0, plan.token_index.view(-1))
             .view(num, num_rows, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4))
     scores = torch.baddbmm(plan.bias(num_kv_heads, group), q.view(batches, group * num_rows, head_size),
-                           keys_t.reshape(batches, head_size, num_keys), alpha=scale)
+                           keys.transpose(-1, -2) if keys_by_token else keys, alpha=scale)
     probs = torch.softmax(scores, dim=-1)
-    attended = torch.bmm(probs, values.reshape(batches, num_keys, head_size))
+    attended = torch.bmm(probs, values if values_by_token else values.transpose(-1, -2))
     rows = attended.view(num, num_kv_heads, group, num_rows, head_size).permute(0, 3, 1, 2, 4).reshape(
         num * num_rows, num_heads, head_size)
     if plan.valid_rows is not None:
@@ -137,21 +140,57 @@ def paged_tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuT
     output.index_copy_(0, plan.tokens, rows.to(output.dtype))
 
 
+def _unpacked(half: torch.Tensor, packing: CpuPacking, kind: str, head_size: int, num_keys: int
+              ) -> tuple[torch.Tensor, bool]:
+    """half [Bt, P, Hkv, block_size * D] (the keys or values of each request's pages) ->
+    (float32 [Bt, Hkv, S, D], True) or ([Bt, Hkv, D, S], False), S = num_keys: whichever axis the
+    packing stores innermost stays innermost, so that the copy reads runs, not single elements.
+    An innermost pair of 16-bit elements ("amx") moves as one 32-bit unit."""
+    num, num_pages, num_kv_heads, _ = half.shape
+    factors = packing.key if kind == "key" else packing.value
+    by_token = factors[-1][0] == "d"
+    element_dtype = half.dtype
+    paired = factors[-1][1] == 2 and half.element_size() == 2
+    if paired:
+        half, factors = half.view(torch.int32), factors[:-1]
+    shaped = half.view(num, num_pages, num_kv_heads, *(size for _, size in factors))
+    s_axes = [3 + i for i, (axis, _) in enumerate(factors) if axis == "s"]
+    d_axes = [3 + i for i, (axis, _) in enumerate(factors) if axis == "d"]
+    source = shaped.permute(*([0, 2, 1, *s_axes, *d_axes] if by_token else [0, 2, *d_axes, 1, *s_axes]))
+    if paired:
+        unpacked = torch.empty(source.shape, dtype=torch.int32).copy_(source).view(element_dtype).float()
+    else:
+        unpacked = torch.empty(source.shape, dtype=torch.float32).copy_(source)
+    if by_token:
+        return unpacked.view(num, num_kv_heads, -1, head_size)[:, :, :num_keys], True
+    return unpacked.view(num, num_kv_heads, head_size, -1)[..., :num_keys], False
+
+
 class GsdCpuAttentionMetadataBuilder(GraphMetadataBuilder, CPUAttentionMetadataBuilder):
     metadata_cls = GsdCpuAttentionMetadata
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.head_size = kv_cache_spec.head_size
         if self.isa not in CPU_SUPPORTED_ISAS:
-            # The graph-masked path reads the cache; it knows the vec/vec16 packing only.
-            self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
-            self._set_isa_to_layers(layer_names)
+            # The graph-masked path reads the cache: only in a packing checked against vLLM's.
+            self.pin_portable_packing()
+        self.packing = cpu_packing(self.isa, self.block_size, self.head_size)
+
+    def pin_portable_packing(self) -> None:
+        """Make these layers' kernel (and so their cache) "vec"/"vec16", whatever vLLM picked:
+        before any request writes the cache. For layers whose attention runs mostly
+        graph-masked, where "amx" tiles cost 40-60% more to read than "vec" blocks."""
+        self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
+        self._set_isa_to_layers(self.layer_names)
+        self.packing = cpu_packing(self.isa, self.block_size, self.head_size)
 
     def plan_tree(self, metadata: CPUAttentionMetadata, tree: TreeAttention) -> CpuTreePlan:
         request_index = tree.request_index
         return plan_cpu_tree(metadata.block_table[request_index], metadata.seq_lens[request_index].tolist(),
                              tree.query_start.tolist(), tree.query_len.tolist(), tree.tree_base.tolist(),
-                             tree.query_tree_row, tree.ancestor_words, self.block_size, tree.covers_all_rows)
+                             tree.query_tree_row, tree.ancestor_words, self.block_size, tree.covers_all_rows,
+                             self.packing)
 
 
 class GsdCpuAttentionImpl(GraphAttentionImpl, CPUAttentionBackendImpl):

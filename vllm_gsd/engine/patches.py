@@ -471,6 +471,8 @@ USES: list[Uses] = [
     Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionMetadata", "its metadata's base", "worker"),
     Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionMetadataBuilder._set_isa_to_layers", "pinning the cache packing",
          "worker"),
+    Uses("vllm.v1.worker.utils:AttentionGroup", "the draft layers' groups and builders (their cache packing)",
+         "worker"),
     Uses(f"{_BACKENDS}.triton_attn:TritonAttentionBackend", "the CUDA graph-attention backend's base", "worker"),
     Uses(f"{_BACKENDS}.triton_attn:TritonAttentionImpl", "its impl's base", "worker"),
     Uses(f"{_BACKENDS}.triton_attn:TritonAttentionMetadata", "its metadata's base", "worker"),

@@ -48,6 +48,7 @@ from vllm_gsd.engine.tree_batch import (
     build_tree_batch,
     chain_trees,
 )
+from vllm_gsd.kernels.paged_layout import CpuPacking, cpu_packing
 
 
 @dataclass
@@ -60,6 +61,8 @@ class GsdRunnerState:
     pending_attention: TreeAttention | None = None
     # Every target layer's live KV cache (one per distinct tensor), listed at KV-cache setup.
     target_kv_caches: list[torch.Tensor] = field(default_factory=list)
+    # On the CPU: how the ISA vLLM picked for those caches packs a block (kernels/paged_layout.py).
+    target_cache_packing: CpuPacking | None = None
 
 
 def _gsd_runner(runner) -> bool:
@@ -191,7 +194,7 @@ def wrap_initialize_kv_cache(original):
             return original(self, kv_cache_config, is_profiling, *args, **kwargs)
         _refuse_several_kv_groups(kv_cache_config)
         result = original(self, kv_cache_config, is_profiling, *args, **kwargs)
-        self.gsd.target_kv_caches = _target_kv_caches(self)
+        self.gsd.target_kv_caches, self.gsd.target_cache_packing = _target_kv_caches(self)
         if not is_profiling:
             self.drafter.prepare_policy(self)
         return result
@@ -230,11 +233,32 @@ def wrap_initialize_metadata_builders(original):
             _check_vllm_attributes(self, loaded=True)
             install_tree_slot(self.attn_groups, self.gsd.tree_slot)
             install_tree_slot(self.drafter.draft_attn_groups, self.gsd.tree_slot)
+            _pin_draft_cache_packing(self)
 
     return initialize_metadata_builders
 
 
 # ------------------------------------------------------------------------------------------
+
+
+def _pin_draft_cache_packing(runner) -> None:
+    """On the CPU the draft's layers keep the portable "vec" cache packing, while the target's
+    follow vLLM's pick ("amx" on CPUs with AMX tiles). The draft attends graph-masked at every
+    level it drafts and runs vLLM's kernel only to catch up; the target runs vLLM's kernel for
+    every row but the few of its trees, and all of them in a plain step.
+
+    Only where the runner gave the draft's layers attention groups of their own: a builder sets
+    the packing of its group's layers, and every builder of the draft's layers must read the one
+    their cache is written in (a group shared with the target keeps vLLM's pick throughout)."""
+    draft_layers = runner.drafter._draft_attn_layer_names
+    runner_groups = [group for groups in runner.attn_groups for group in groups]
+    owning = [group for group in runner_groups if draft_layers & set(group.layer_names)]
+    if not owning or any(not set(group.layer_names) <= draft_layers for group in owning):
+        return
+    for group in owning + list(runner.drafter.draft_attn_groups):
+        for builder in group.metadata_builders:
+            if hasattr(builder, "pin_portable_packing"):
+                builder.pin_portable_packing()
 
 
 def _check_vllm_attributes(runner, loaded: bool = False) -> None:
@@ -364,10 +388,12 @@ def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:
             "accepted_nodes": sum(num_accepted[b] for b in trees), "paths_through_merge": through_merge}
 
 
-def _target_kv_caches(runner) -> list[torch.Tensor]:
-    """The target layers' KV cache tensors, as bound now (KV-sharing layers alias one)."""
+def _target_kv_caches(runner) -> tuple[list[torch.Tensor], CpuPacking | None]:
+    """The target layers' KV cache tensors, as bound now (KV-sharing layers alias one), and on
+    the CPU their packing: CPU_ATTN's builders have set each layer's `isa` by now, one for all
+    (a target has one KV-cache group)."""
     draft_layers = runner.drafter._draft_attn_layer_names
-    caches, seen = [], set()
+    caches, seen, isas = [], set(), set()
     for name, layer in runner.compilation_config.static_forward_context.items():
         kv_cache = getattr(layer, "kv_cache", None)  # not every context entry is an attention layer
         if name in draft_layers or not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
@@ -375,7 +401,14 @@ def _target_kv_caches(runner) -> list[torch.Tensor]:
         if kv_cache.data_ptr() not in seen:
             seen.add(kv_cache.data_ptr())
             caches.append(kv_cache)
-    return caches
+            isas.add(getattr(layer, "isa", None))
+    if not caches or caches[0].device.type != "cpu":
+        return caches, None
+    if len(isas) != 1 or None in isas:
+        raise RuntimeError(f"gsd: the target's CPU attention layers report ISAs {sorted(map(str, isas))}; "
+                           "KV compaction needs the one packing they share")
+    _, _, block_size, two_head_size = caches[0].shape
+    return caches, cpu_packing(isas.pop(), block_size, two_head_size // 2)
 
 
 def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
@@ -389,6 +422,9 @@ def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
     table = block_table.get_device_tensor(runner.input_batch.num_reqs)
     tree_base = torch.from_numpy(tree.tree_base.astype(np.int32)).to(table.device)
     on_cpu = table.device.type == "cpu"
-    compact = compact_kv_ref if on_cpu else compact_kv
-    compact(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
-            accepted.accepted_rows, num_accepted, layout="cpu" if on_cpu else "gpu_bhnc")
+    if on_cpu:
+        compact_kv_ref(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
+                       accepted.accepted_rows, num_accepted, layout="cpu", packing=runner.gsd.target_cache_packing)
+    else:
+        compact_kv(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
+                   accepted.accepted_rows, num_accepted, layout="gpu_bhnc")
