@@ -551,3 +551,30 @@ def test_referee_walks_on_while_the_measured_rate_is_near_plain():
     arms, seconds, plain_seconds = _World(0.1, truth, model, swing=0.0).run(_referee(), 400)
     assert sum(n for d, n in arms.items() if d) >= 6, arms
     assert seconds <= 1.03 * plain_seconds, arms
+
+
+def test_drafting_pays_back_a_catch_up_only_within_the_tokens_left():
+    """A catch-up of 1.6 s (eight fresh prompts: the draft's prefill), drafting 1.25x plain at 8
+    requests of 0.15 s plain steps (53 tokens/s): 47 tokens a request save 1.4 s, too few;
+    200 save 6 s; an unbounded request, or no catch-up, always pays."""
+    from vllm_gsd.graph.budget import pays_back
+
+    plain_rate = 8 / 0.15
+    assert not pays_back(plain_rate, 1.25 * plain_rate, 1.6, 8, 47)
+    assert pays_back(plain_rate, 1.25 * plain_rate, 1.6, 8, 200)
+    assert pays_back(plain_rate, 1.25 * plain_rate, 1.6, 8, None)
+    assert pays_back(plain_rate, 1.25 * plain_rate, 0.0, 8, 1)
+    assert not pays_back(plain_rate, 0.8 * plain_rate, 0.1, 8, 10_000)  # slower drafting never pays one back
+
+
+def test_referee_drafts_fresh_requests_only_where_their_catch_up_pays_back():
+    """Once drafting has measured 1.5x plain, requests fresh from their prompts (a catch-up of
+    2 s) are drafted when they may generate 500 tokens more, not when only 20."""
+    truth = {d: (3.0, 0.2) for d in range(1, 5)}
+    referee, world = _referee(), _World(0.1, truth)
+    world.run(referee, 200)  # both arms measured at this load
+    tokens, predicted = world.prediction()
+    long_depth, _ = referee.choose(1, tokens, predicted, catch_up_seconds=2.0, tokens_left=500)
+    short_depth, why = referee.choose(1, tokens, predicted, catch_up_seconds=2.0, tokens_left=20)
+    assert long_depth > 0
+    assert short_depth == 0 and "would not pay back" in why

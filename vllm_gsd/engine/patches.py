@@ -492,7 +492,7 @@ USES: list[Uses] = [
 
 # Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the
 # instance: engine/runner_hooks.py, when the runner is built).
-RUNNER_ATTRIBUTES = ("input_batch", "requests", "discard_request_mask", "positions", "compilation_config",
+RUNNER_ATTRIBUTES = ("input_batch", "requests", "discard_request_mask", "positions", "compilation_config", "max_model_len",
                      "attn_groups", "device", "vllm_config", "sampler", "rejection_sampler", "drafter")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "req_id_to_index", "num_reqs", "num_computed_tokens_cpu",
                           "num_tokens_no_spec", "token_ids_cpu", "block_table", "generators")

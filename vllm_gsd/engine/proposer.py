@@ -98,6 +98,20 @@ class _Candidate:
     sampling: _Sampling | None  # None: greedy (the draft's deterministic top-k)
 
 
+def _tokens_left(runner, candidates: list[_Candidate]) -> float:
+    """How many tokens the tree requests may still generate, on average: their max_tokens, or
+    the context limit, less what they have generated."""
+    max_model_len = runner.max_model_len
+    left = []
+    for candidate in candidates:
+        state = runner.requests[candidate.req_id]
+        by_context = max_model_len - candidate.root_pos - 1
+        max_tokens = state.sampling_params.max_tokens if state.sampling_params is not None else None
+        by_request = by_context if max_tokens is None else max_tokens - len(state.output_token_ids)
+        left.append(max(1, min(by_context, by_request)))
+    return float(np.mean(left)) if left else 0.0
+
+
 @dataclass
 class _Forward:
     """Inputs of one draft forward over a subset of the runner's batch."""
@@ -255,7 +269,7 @@ class GsdProposer(DraftModelProposer):
         catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
         if self.policy is not None:
             depth, explorers, rate_to_beat, why = self._decide(len(req_ids), len(candidates), num_plain, stats,
-                                                               catch_up_excess)
+                                                               catch_up_excess, _tokens_left(runner, candidates))
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, f"draft {depth} levels" if depth else "plain step", why)
             if not depth:
@@ -317,7 +331,7 @@ class GsdProposer(DraftModelProposer):
                                                   - self.policy.draft_cost(sum(steady)))
 
     def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats,
-                catch_up_seconds: float) -> tuple[int, int | None, float | None, str]:
+                catch_up_seconds: float, tokens_left: float) -> tuple[int, int | None, float | None, str]:
         """(depth, explorers, rate, why): the adaptive budget's answer for this step; explorers:
         the step drafts for only this many of its tree requests (None: all); rate: the model's
         tokens per second of a step drafted that deep (None: not predicted yet), which each
@@ -335,7 +349,8 @@ class GsdProposer(DraftModelProposer):
             depth, why = (decision.depth, "") if self.referee.plain_measured(num_requests) else (
                 0, "measuring plain steps first")
         else:
-            depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds, catch_up_seconds)
+            depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds, catch_up_seconds,
+                                             tokens_left)
             explorers = None
         if decision and not depth:
             stats.steps_vetoed += 1

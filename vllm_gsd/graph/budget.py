@@ -602,11 +602,13 @@ class WallClockReferee:
         return bool(self._arms(num_requests).count[0] >= self.min_steps)
 
     def choose(self, num_requests: int, tokens: np.ndarray, seconds: np.ndarray,
-               catch_up_seconds: float = 0.0) -> tuple[int, str]:
+               catch_up_seconds: float = 0.0, tokens_left: float | None = None) -> tuple[int, str]:
         """The arm of the next step (0: plain; d: draft at most d levels) and why (for the log),
         from the model's prediction by arm at this step's load (Decision.tokens / .seconds).
         catch_up_seconds: what the draft would spend now catching up on tokens decoded plainly
-        (left out of `seconds`, it is no depth's cost, but a drafted try pays it)."""
+        or on new prompts (left out of `seconds`, it is no depth's cost, but a drafted step pays
+        it); tokens_left: how many tokens the requests may still generate, on average (None:
+        unbounded). Drafting starts only where the catch-up pays back within them."""
         arms = self._arms(num_requests)
         if arms.count[0] < self.min_steps:
             return 0, "measuring plain steps first"
@@ -616,6 +618,12 @@ class WallClockReferee:
         figures = "corrected " + ", ".join(
             f"{'plain' if d == 0 else f'depth {d}'} {rates[d]:.2f}" for d in np.flatnonzero(~np.isnan(rates))
         ) + " tokens/s"
+        if best and not pays_back(rates[0], rates[best], catch_up_seconds, num_requests, tokens_left):
+            # A short request's prompt costs the draft about what it costs the target: at 8
+            # requests x 48 tokens the draft's prefill took longer than its trees then saved.
+            figures += (f"; the draft's catch-up ({catch_up_seconds:.2f} s) would not pay back within "
+                        f"{tokens_left:.0f} tokens a request")
+            best = 0
         # The best drafted depth and the depths next to it are measured at once, min_steps steps
         # each: a depth is judged on steps of its own, not on the model's first trees or on one
         # step, and a depth the model misjudges is left within a few steps (a walk from depth to
@@ -625,7 +633,8 @@ class WallClockReferee:
         # a heavy load): then drafting is only tried at the bounded cost below, which counts it.
         drafted = 1 + int(np.nanargmax(rates[1:])) if not np.isnan(rates[1:]).all() else 0
         if (drafted and self._borrows(num_requests) is None and rates[drafted] >= self.walk_share * rates[0]
-                and catch_up_seconds <= self.min_steps * seconds[drafted]):
+                and catch_up_seconds <= self.min_steps * seconds[drafted]
+                and pays_back(rates[0], rates[drafted], catch_up_seconds, num_requests, tokens_left)):
             for depth in (drafted, drafted - 1, drafted + 1):
                 if 1 <= depth <= self.max_depth and not np.isnan(rates[depth]) and arms.count[depth] < self.min_steps:
                     return depth, f"{figures}: measuring depth {depth}"
@@ -638,6 +647,16 @@ class WallClockReferee:
             if arms.since_try[depth] * self.explore_share >= try_seconds:
                 return depth, f"{figures}: trying {name} again"
         return best, figures
+
+
+def pays_back(plain_rate: float, drafted_rate: float, catch_up_seconds: float, num_requests: int,
+              tokens_left: float | None) -> bool:
+    """Whether drafting at drafted_rate (tokens/s of the batch) rather than plain_rate wins back
+    catch_up_seconds before the num_requests requests have generated tokens_left tokens each."""
+    if catch_up_seconds <= 0 or tokens_left is None or not plain_rate > 0 or not drafted_rate > 0:
+        return True
+    tokens = num_requests * tokens_left
+    return tokens / plain_rate - tokens / drafted_rate > catch_up_seconds
 
 
 @dataclass
