@@ -62,6 +62,7 @@ This module must not import vLLM (the GPU check machine has no vLLM).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,13 +108,7 @@ class CpuPacking:
         """Token indices s (any shape) -> their digits, indexing token_dim_view's s axes."""
         factors = self.key if kind == "key" else self.value
         sizes = [size for axis, size in factors if axis == "s"]
-        digits = []
-        for i in range(len(sizes)):
-            inner = 1
-            for size in sizes[i + 1:]:
-                inner *= size
-            digits.append((s // inner) % sizes[i])
-        return tuple(digits)
+        return tuple((s // math.prod(sizes[i + 1:])) % size for i, size in enumerate(sizes))
 
     def num_axes(self, kind: str, axis: str) -> int:
         return sum(a == axis for a, _ in (self.key if kind == "key" else self.value))
