@@ -391,7 +391,7 @@ def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:
 def _target_kv_caches(runner) -> tuple[list[torch.Tensor], CpuPacking | None]:
     """The target layers' KV cache tensors, as bound now (KV-sharing layers alias one), and on
     the CPU their packing: CPU_ATTN's builders have set each layer's `isa` by now, one for all
-    (a target has one KV-cache group)."""
+    (a target has one KV-cache group). None where no layer has one (not CPU_ATTN)."""
     draft_layers = runner.drafter._draft_attn_layer_names
     caches, seen, isas = [], set(), set()
     for name, layer in runner.compilation_config.static_forward_context.items():
@@ -401,11 +401,12 @@ def _target_kv_caches(runner) -> tuple[list[torch.Tensor], CpuPacking | None]:
         if kv_cache.data_ptr() not in seen:
             seen.add(kv_cache.data_ptr())
             caches.append(kv_cache)
-            isas.add(getattr(layer, "isa", None))
-    if not caches or caches[0].device.type != "cpu":
+            if hasattr(layer, "isa"):
+                isas.add(layer.isa)
+    if not isas:
         return caches, None
-    if len(isas) != 1 or None in isas:
-        raise RuntimeError(f"gsd: the target's CPU attention layers report ISAs {sorted(map(str, isas))}; "
+    if len(isas) > 1:
+        raise RuntimeError(f"gsd: the target's CPU attention layers report ISAs {sorted(isas)}; "
                            "KV compaction needs the one packing they share")
     _, _, block_size, two_head_size = caches[0].shape
     return caches, cpu_packing(isas.pop(), block_size, two_head_size // 2)
