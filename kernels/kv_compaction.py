@@ -70,10 +70,13 @@ def compact_kv_ref(
     if packing is not None:
         if layout != "cpu":
             raise ValueError(f"a CPU packing is for layout 'cpu', not {layout!r}")
+        # Every layer moves the same tokens: their digits, once.
+        sources = {kind: (sb, *packing.token_digits(kind, so)) for kind in ("key", "value")}
+        targets = {kind: (db, *packing.token_digits(kind, do)) for kind in ("key", "value")}
         for kv_cache in kv_caches:
             assert kv_cache.shape[2] == block_size, f"cache block size {kv_cache.shape[2]} != {block_size}"
             for kind, view in zip(("key", "value"), cpu_token_views(kv_cache, packing)):
-                view[(db, *packing.token_digits(kind, do))] = view[(sb, *packing.token_digits(kind, so))]
+                view[targets[kind]] = view[sources[kind]]
         return
     for kv_cache in kv_caches:
         for cache in split_kv_cache(kv_cache, layout):  # canonical [nb, bs, Hkv, D] views

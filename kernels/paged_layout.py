@@ -73,6 +73,7 @@ __all__ = [
     "CpuPacking",
     "cpu_packing",
     "cpu_token_views",
+    "factor_view",
     "canonical_kv",
     "split_kv_cache",
     "cpu_kv_cache_shape",
@@ -97,12 +98,7 @@ class CpuPacking:
     def token_dim_view(self, half: torch.Tensor, kind: str) -> torch.Tensor:
         """``half [..., block_size * head_size]`` (the key or value half of runs) -> a view
         ``[..., *s_sizes, *d_sizes]``: the token's digits, then the dim's, each outermost first."""
-        factors = self.key if kind == "key" else self.value
-        lead = half.dim() - 1
-        shaped = half.view(*half.shape[:-1], *(size for _, size in factors))
-        s_axes = [lead + i for i, (axis, _) in enumerate(factors) if axis == "s"]
-        d_axes = [lead + i for i, (axis, _) in enumerate(factors) if axis == "d"]
-        return shaped.permute(*range(lead), *s_axes, *d_axes)
+        return factor_view(half, self.key if kind == "key" else self.value)
 
     def token_digits(self, kind: str, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Token indices s (any shape) -> their digits, indexing token_dim_view's s axes."""
@@ -112,6 +108,16 @@ class CpuPacking:
 
     def num_axes(self, kind: str, axis: str) -> int:
         return sum(a == axis for a, _ in (self.key if kind == "key" else self.value))
+
+
+def factor_view(half: torch.Tensor, factors: tuple[tuple[str, int], ...]) -> torch.Tensor:
+    """``half [..., n]`` whose last axis is row-major over `factors` (see CpuPacking) -> a view
+    ``[..., *s_sizes, *d_sizes]``: the token's factors, then the dim's, each outermost first."""
+    lead = half.dim() - 1
+    shaped = half.view(*half.shape[:-1], *(size for _, size in factors))
+    s_axes = [lead + i for i, (axis, _) in enumerate(factors) if axis == "s"]
+    d_axes = [lead + i for i, (axis, _) in enumerate(factors) if axis == "d"]
+    return shaped.permute(*range(lead), *s_axes, *d_axes)
 
 
 def cpu_packing(isa: str, block_size: int, head_size: int) -> CpuPacking:

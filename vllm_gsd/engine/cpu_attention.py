@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_gsd.engine.graph_attention_backend import GraphAttentionImpl, GraphMetadataBuilder
 from vllm_gsd.engine.tree_batch import TreeAttention
 from vllm_gsd.kernels.graph_attention import visibility_mask
-from vllm_gsd.kernels.paged_layout import CPU_SUPPORTED_ISAS, CpuPacking, cpu_packing
+from vllm_gsd.kernels.paged_layout import CPU_SUPPORTED_ISAS, CpuPacking, cpu_packing, factor_view
 
 
 @dataclass
@@ -146,17 +146,17 @@ def _unpacked(half: torch.Tensor, packing: CpuPacking, kind: str, head_size: int
     (float32 [Bt, Hkv, S, D], True) or ([Bt, Hkv, D, S], False), S = num_keys: whichever axis the
     packing stores innermost stays innermost, so that the copy reads runs, not single elements.
     An innermost pair of 16-bit elements ("amx") moves as one 32-bit unit."""
-    num, num_pages, num_kv_heads, _ = half.shape
+    num, _, num_kv_heads, _ = half.shape
     factors = packing.key if kind == "key" else packing.value
     by_token = factors[-1][0] == "d"
     element_dtype = half.dtype
     paired = factors[-1][1] == 2 and half.element_size() == 2
     if paired:
         half, factors = half.view(torch.int32), factors[:-1]
-    shaped = half.view(num, num_pages, num_kv_heads, *(size for _, size in factors))
-    s_axes = [3 + i for i, (axis, _) in enumerate(factors) if axis == "s"]
-    d_axes = [3 + i for i, (axis, _) in enumerate(factors) if axis == "d"]
-    source = shaped.permute(*([0, 2, 1, *s_axes, *d_axes] if by_token else [0, 2, *d_axes, 1, *s_axes]))
+    digits = factor_view(half, factors)  # [Bt, P, Hkv, *s, *d]
+    s_axes = list(range(3, 3 + sum(axis == "s" for axis, _ in factors)))
+    d_axes = list(range(3 + len(s_axes), digits.dim()))
+    source = digits.permute(*([0, 2, 1, *s_axes, *d_axes] if by_token else [0, 2, *d_axes, 1, *s_axes]))
     if paired:
         unpacked = torch.empty(source.shape, dtype=torch.int32).copy_(source).view(element_dtype).float()
     else:

@@ -268,8 +268,10 @@ class GsdProposer(DraftModelProposer):
         # With a referee no step explores, so these candidates are the ones that draft.
         catch_up_excess = self._catch_up_excess(candidates, valid_sampled_token_ids)
         if self.policy is not None:
+            # Only a catch-up has to pay back within the tokens left (referee.choose).
+            tokens_left = _tokens_left(runner, candidates) if catch_up_excess > 0 else None
             depth, explorers, rate_to_beat, why = self._decide(len(req_ids), len(candidates), num_plain, stats,
-                                                               catch_up_excess, _tokens_left(runner, candidates))
+                                                               catch_up_excess, tokens_left)
             logger.debug("gsd: %d tree candidates, %d other requests: %s (%s)", len(candidates),
                          num_plain, f"draft {depth} levels" if depth else "plain step", why)
             if not depth:
@@ -331,7 +333,7 @@ class GsdProposer(DraftModelProposer):
                                                   - self.policy.draft_cost(sum(steady)))
 
     def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats,
-                catch_up_seconds: float, tokens_left: float) -> tuple[int, int | None, float | None, str]:
+                catch_up_seconds: float, tokens_left: float | None) -> tuple[int, int | None, float | None, str]:
         """(depth, explorers, rate, why): the adaptive budget's answer for this step; explorers:
         the step drafts for only this many of its tree requests (None: all); rate: the model's
         tokens per second of a step drafted that deep (None: not predicted yet), which each

@@ -45,15 +45,6 @@ def _ray_actor_id() -> str | None:
     return ray.get_runtime_context().get_actor_id()
 
 
-def _cache_isas(runner) -> dict[str, list[str]]:
-    draft_layers = getattr(getattr(runner, "drafter", None), "_draft_attn_layer_names", set())
-    isas: dict[str, set[str]] = {"target": set(), "draft": set()}
-    for name, layer in runner.compilation_config.static_forward_context.items():
-        if hasattr(layer, "isa"):
-            isas["draft" if name in draft_layers else "target"].add(layer.isa)
-    return {role: sorted(found) for role, found in isas.items()}
-
-
 class WorkerProbes:
     """Methods added to vLLM's worker class (self is the worker)."""
 
@@ -79,8 +70,6 @@ class WorkerProbes:
             # the token ids it scores before a step's extra ones (None: the whole vocabulary)
             "draft_head_kept": getattr(getattr(getattr(self.model_runner, "drafter", None), "draft_head", None),
                                        "kept", None),
-            # On the CPU: the ISAs (cache packings) of the target's and the draft's attention layers
-            "cache_isa": _cache_isas(self.model_runner),
         }
 
     def gsd_test_skew_trees(self, tp_rank: int) -> bool:
