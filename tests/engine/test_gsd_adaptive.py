@@ -136,16 +136,21 @@ def test_a_draft_too_slow_to_pay_stops_speculation_by_measured_step_times(tiny_m
         # The default head on CPU (engine/draft_head.py), whose cost the slowed forwards include.
         assert [w["draft_head"] for w in llm.collective_rpc("gsd_test_worker_info")] == ["Int8DraftHead"]
         llm.collective_rpc("gsd_test_slow_draft", args=(0.04,))
+        llm.collective_rpc("gsd_test_count_tree_scoring")
         prompts = _token_prompts(tokenizer, 16)
         got, delta = [], None
         for prompt in prompts:  # one request at a time: the load speculation is for
             ids, step = _run(llm, [prompt], _greedy(128))
             got += ids
             delta = step if delta is None else {k: delta[k] + step[k] for k in step}
+        [tree_scoring_calls] = llm.collective_rpc("gsd_test_tree_scoring_calls")
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert got == _token_ids(engines.get("target"), prompts, _greedy(128))
     assert delta["steps_not_speculated"] > 10 * delta["steps_speculated"]
+    # Plain steps sample as without speculation: only a step that verifies trees is scored by
+    # GSD's rejection sampler (vLLM would route every step through it).
+    assert tree_scoring_calls <= delta["steps_speculated"]
     plain_rate = delta["plain_step_tokens"] / delta["plain_step_us"]
     lost = delta["speculative_step_us"] - delta["speculative_step_tokens"] / plain_rate
     total = delta["speculative_step_us"] + delta["plain_step_us"]

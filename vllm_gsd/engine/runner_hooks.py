@@ -7,7 +7,9 @@ Per step of a gsd engine:
   tokens that match no proposed tree (e.g. after a preemption) are verified as a chain, which is
   also a tree. The TreeBatch rides to the scorer in the spec-decode metadata
   (`TreeSpecDecodeMetadata`), and its attention inputs to the layers through the runner's
-  `TreeSlot`, held while `_build_attention_metadata` builds this forward's metadata.
+  `TreeSlot`, held while `_build_attention_metadata` builds this forward's metadata. A step
+  without drafts drops the metadata (vLLM 0.32 builds it for every step of a speculative
+  engine), so it is sampled as without speculation.
 * `_sample`: the rejection sampler is GsdRejectionSampler (engine/scorer.py), which scores the
   trees; then the accepted nodes' KV moves to consecutive positions (`_compact_target_kv`) and
   GSD's counters are updated. The sampler is GsdSampler, told each step (in `_prepare_inputs`)
@@ -107,7 +109,13 @@ def wrap_prepare_inputs(original):
             return (logits_indices, spec_decode_metadata, *rest)
         _park_generators_of_discarded_rows(self)
         self.sampler.keyed = _keyed_roots(self, scheduler_output, num_scheduled_tokens)
-        if spec_decode_metadata is not None:
+        if not any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            # vLLM 0.32 builds speculative metadata for every step once a method is configured,
+            # drafts or not. A step without trees (a plain step of the adaptive budget, a
+            # prefill) is sampled as without speculation: vLLM's sampler and its logprobs, with
+            # no gather of the logits' rows (32 x 152k floats at batch 32) and no tree walk.
+            spec_decode_metadata = None
+        else:
             tree = _verification_trees(self, scheduler_output, num_scheduled_tokens)
             self.gsd.pending_attention = tree.attention if tree.attention.request_index.numel() else None
             spec_decode_metadata = TreeSpecDecodeMetadata.wrap(spec_decode_metadata, tree)

@@ -127,7 +127,7 @@ class GsdRejectionSampler(RejectionSampler):
                                  tree, sampling_metadata)
             accepted = walk_tree(draft_token_ids.to(device), parent_row.to(device),
                                  torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
-        else:  # a plain step (no trees): every request emits its root token
+        else:  # no request has nodes: each emits its root token (runner_hooks samples such steps plainly)
             accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
                                      torch.zeros(batch_size, dtype=torch.int64, device=device))
         logprobs_tensors = None

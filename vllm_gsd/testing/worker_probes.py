@@ -105,3 +105,19 @@ class WorkerProbes:
             return forward(*args, **kwargs)
 
         drafter._forward = slow_forward
+
+    def gsd_test_count_tree_scoring(self) -> None:
+        """From now on, count the steps this worker scores through GSD's rejection sampler (the
+        steps that verify trees; every other step samples as without speculation)."""
+        sampler = self.model_runner.rejection_sampler
+        forward = sampler.forward
+        sampler.gsd_test_calls = 0
+
+        def counted_forward(*args, **kwargs):
+            sampler.gsd_test_calls += 1
+            return forward(*args, **kwargs)
+
+        sampler.forward = counted_forward
+
+    def gsd_test_tree_scoring_calls(self) -> int:
+        return self.model_runner.rejection_sampler.gsd_test_calls
