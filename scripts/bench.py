@@ -55,6 +55,7 @@ class Row:
     identical_prompts: str | None = None  # "k/n": prompts whose output equals no speculation's, worst round
     ratio_to_no_spec: float | None = None
     tpot_ratio: float | None = None  # no speculation's time per output token over this one's
+    group_seconds: list[float] | None = None  # --interleave: seconds of each prompt group, in order
     notes: str = ""
 
 
@@ -259,16 +260,17 @@ def run_interleaved(pair: Pair, configs: dict[str, dict | None], batches: list[i
             run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
             before = {name: _gsd_stats_of(engines[name], configs[name]) for name in names}
             outs = {name: [] for name in names}
-            seconds = dict.fromkeys(names, 0.0)
+            group_seconds = {name: [] for name in names}
             for k, i in enumerate(range(0, len(run_prompts), batch)):
                 shift = (k + round_index) % len(names)
                 for name in names[shift:] + names[:shift]:
                     chunk_outs, chunk_seconds = generate_timed(engines[name], run_prompts[i:i + batch], max_tokens)
                     outs[name] += chunk_outs
-                    seconds[name] += chunk_seconds
+                    group_seconds[name].append(chunk_seconds)
             for name in names:
-                row = describe_run(name, configs[name], batch, outs[name], seconds[name], before[name],
+                row = describe_run(name, configs[name], batch, outs[name], sum(group_seconds[name]), before[name],
                                    _gsd_stats_of(engines[name], configs[name]))
+                row.group_seconds = [round(t, 3) for t in group_seconds[name]]
                 results.append((row, [list(o.outputs[0].token_ids) for o in outs[name]]))
                 print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
                       + (f", mean acceptance length {row.mean_acceptance_length}" if configs[name] else ""),
@@ -300,7 +302,23 @@ def _median_over_rounds(measured, reference, config: str, batch: int, rounds: in
         row.notes = (f"runs: {', '.join(str(m[1].tokens_per_s) for m in mine)} tok/s; "
                      f"x no-spec {', '.join(map(str, ratios))}"
                      + (f"; TPOT x no-spec {', '.join(map(str, tpot_ratios))}" if tpot_ratios else ""))
+    group_ratios = _group_ratios(measured, mine, batch)
+    if config != "no_spec" and len(group_ratios) > 1:
+        row.notes += ("; " if row.notes else "") + (
+            f"per prompt group (run back to back with no speculation's, the same prompts): median x no-spec "
+            f"{statistics.median(group_ratios):.2f} over {len(group_ratios)} groups "
+            f"({min(group_ratios):.2f} to {max(group_ratios):.2f})")
     return row
+
+
+def _group_ratios(measured, mine, batch: int) -> list[float]:
+    """No speculation's seconds over the configuration's, per prompt group of every run (the same
+    tokens: a tokens/s ratio). A group's two runs follow each other within seconds, so this VM's
+    drift, which swings whole rounds by 0.2 or more, cancels better than in a round's sums."""
+    base = {r: row.group_seconds for r, row, _ in measured
+            if row.config == "no_spec" and row.batch == batch and row.group_seconds}
+    return [b / t for r, row, _ in mine if row.group_seconds and r in base
+            for b, t in zip(base[r], row.group_seconds)]
 
 
 def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> None:
