@@ -25,8 +25,6 @@ def tree_refusal_reason(sampling_params: Any, num_output_tokens: int) -> str | N
         (bool(p.allowed_token_ids), "allowed_token_ids"),
         (p.min_p > 0.0, "min_p"),
         (p.min_tokens > num_output_tokens, "min_tokens not yet reached"),
-        (bool(p.logprob_token_ids), "logprob_token_ids"),
-        (bool(p.extra_args), "extra_args (custom logits processors)"),
         (p.thinking_token_budget is not None, "thinking_token_budget"),
         (p.repetition_detection is not None, "repetition_detection"),
     )

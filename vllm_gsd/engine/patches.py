@@ -174,6 +174,10 @@ def _refuse_unsupported_features(vllm_config) -> None:
     if vllm_config.kv_transfer_config is not None:
         refusals.append("a KV connector (kv_transfer_config): it would save the verification tree's "
                         "KV layout before GSD compacts the accepted path")
+    if vllm_config.model_config.logits_processors:
+        refusals.append("custom logits processors (logits_processors): they act on whole batches of "
+                        "rows that a verification tree lays out per node, as vLLM's own speculative "
+                        "methods refuse them; serve them from an engine without speculation")
     if vllm_config.cache_config.kv_offloading_size:
         refusals.append("KV offloading (kv_offloading_size): it would save the verification tree's "
                         "KV layout before GSD compacts the accepted path")
@@ -222,7 +226,8 @@ def _keep_attention_out_of_cuda_graphs(compilation) -> None:
 
 
 def _wrap_validate_spec_decode(original):
-    """min_p and logit_bias requests are served without speculation under gsd
+    """min_p and logit_bias requests are served under gsd: a gsd engine builds vLLM's logits
+    processors for them (runner_hooks.wrap_build_logitsprocs) and verifies them without a tree
     (engine/eligibility.py), so they need not be refused as vLLM does for linear drafts."""
 
     @functools.wraps(original)
@@ -325,7 +330,7 @@ CONFIG_PATCHES = [
     ),
     Patch(
         target="vllm.sampling_params:SamplingParams._validate_spec_decode",
-        why="serve min_p / logit_bias requests (without a tree) instead of refusing them",
+        why="serve min_p / logit_bias requests (honoured, without a tree) instead of refusing them",
         scope="config",
         wrap=_wrap_validate_spec_decode,
     ),
@@ -389,6 +394,14 @@ WORKER_PATCHES: list[Patch] = [
         why="GSD drafter and tree scorer in the draft_model slots of the V1 runner",
         scope="worker",
         wrap=runner_hooks.wrap_runner_init,
+    ),
+    Patch(
+        target="vllm.v1.worker.gpu_model_runner:build_logitsprocs",
+        why="a gsd engine keeps vLLM's min_p and logit_bias processors, which vLLM leaves out "
+            "of every speculative engine (its drafts cannot honour them; gsd serves such requests "
+            "without a tree)",
+        scope="worker",
+        wrap=runner_hooks.wrap_build_logitsprocs,
     ),
     Patch(
         target=f"{_RUNNER}._prepare_inputs",

@@ -101,6 +101,26 @@ def wrap_runner_init(original):
     return __init__
 
 
+def wrap_build_logitsprocs(original):
+    """A gsd engine gets every built-in logits processor of a plain engine.
+
+    vLLM builds only MinTokens for a speculative engine (min_p and logit_bias cannot be honoured
+    on its drafts), so without this a min_p or logit_bias request would be served with the
+    option silently ignored. GSD serves such requests without a tree (engine/eligibility.py):
+    their one row a step is vLLM's Sampler's, which applies these processors by batch row.
+    Custom processors are refused at start (engine/patches.py), so none reaches here."""
+
+    @functools.wraps(original)
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
+        if not is_gsd(vllm_config.speculative_config) or is_pooling_model or custom_logitsprocs:
+            return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    return build_logitsprocs
+
+
 def wrap_prepare_inputs(original):
     @functools.wraps(original)
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -316,8 +336,14 @@ def _park_generators_of_discarded_rows(runner) -> None:
 
 
 def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
-    """The rows GsdSampler draws with keyed noise: seeded sampled requests that the tree path
-    serves, sampling this step (not a partial prefill), whether they have a tree or not.
+    """The rows GsdSampler draws with keyed noise: sampled requests that the tree path serves,
+    sampling this step (not a partial prefill), whether they have a tree or not, seeded or not.
+
+    Unseeded requests too: whether a request gets a tree depends on the draft's children, which
+    the noise of the token's position chose. Were a request without a tree drawn afresh and one
+    with a tree by that noise, the draw would be conditioned on its own noise (the adaptive
+    budget keeps trees whose chosen children are likely, so likely tokens would be favoured).
+    Drawn by the same noise either way, each token is the target's draw, tree or not.
 
     Row 0 samples the token at position num_computed + num_scheduled - num_nodes (the root's
     position + 1), the position a tree's own row 0 is keyed by (engine/scorer.py)."""
@@ -329,7 +355,7 @@ def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
     for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
         state = runner.requests[req_id]
         params = state.sampling_params
-        if (discarded[i] or not is_sampled(params) or params.seed is None
+        if (discarded[i] or not is_sampled(params)
                 or tree_refusal_reason(params, len(state.output_token_ids)) is not None):
             continue
         num_nodes = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))

@@ -17,7 +17,9 @@ scorer walks the tree with the target's noisy argmax. So:
   only the target's top-k mass, little at high temperature).
 
 Unseeded requests get a key from their request id and the engine's seed (the same on every
-tensor-parallel rank); their plain-step roots are vLLM's own draws.
+tensor-parallel rank), and are drawn the same way at every position, tree or not: whether a
+step has a tree depends on the noise that chose the draft's children, so a token drawn with
+that noise only when there is a tree would be biased (engine/runner_hooks.py `_keyed_roots`).
 """
 
 from __future__ import annotations

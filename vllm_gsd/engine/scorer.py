@@ -43,20 +43,28 @@ from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
 class KeyedRoots:
     """This step's root rows that GsdSampler draws with keyed noise (engine/runner_hooks.py)."""
 
-    rows: list[int]  # batch index of each seeded, sampled request the tree path serves
+    rows: list[int]  # batch index of each sampled request the tree path serves
     keys: list[int]  # its noise key (engine/sampling.py)
     positions: list[int]  # absolute position of the token each row samples
 
 
 class GsdSampler(Sampler):
     """vLLM's Sampler, except that the rows in `keyed` are the Gumbel-max draws of
-    engine/sampling.py, as tree rows are: a seeded request samples the same token at a position
+    engine/sampling.py, as tree rows are: a sampled request draws the same token at a position
     whether a tree verified it or not. Logprobs follow the token drawn (vLLM gathers them after
     `sample`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.keyed: KeyedRoots | None = None
+
+    def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
+        # Every row this sampler sees is one request's next token (a plain step's rows, or the
+        # roots of a tree step): vLLM's bonus-token layout. A gsd engine has speculative tokens
+        # configured, so vLLM's thinking-budget state lays its rows out per draft token unless
+        # told so, and would force the end of thinking on the wrong row.
+        return super().forward(logits, sampling_metadata, predict_bonus_token=True,
+                               logprobs_mode_override=logprobs_mode_override)
 
     def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
         keyed = self.keyed
@@ -131,9 +139,8 @@ class GsdRejectionSampler(RejectionSampler):
             accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
                                      torch.zeros(batch_size, dtype=torch.int64, device=device))
         logprobs_tensors = None
-        if sampling_metadata.max_num_logprobs is not None:
-            logprobs_tensors = self._path_logprobs(logits, row_start, accepted,
-                                                   sampling_metadata.max_num_logprobs)
+        if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
+            logprobs_tensors = self._path_logprobs(logits, row_start, accepted, sampling_metadata)
         return TreeSamplerOutput(
             sampled_token_ids=accepted.output_token_ids.to(torch.int32),
             logprobs_tensors=logprobs_tensors,
@@ -204,12 +211,20 @@ class GsdRejectionSampler(RejectionSampler):
             current[index] = torch.where(found, is_child.int().argmax(1) + 1, current[index])
             active[index] = found
 
-    def _path_logprobs(self, logits, row_start, accepted: AcceptedPaths, max_num_logprobs):
-        """Raw logprobs of every emitted token, from the row that predicted it."""
+    def _path_logprobs(self, logits, row_start, accepted: AcceptedPaths, sampling_metadata):
+        """Raw logprobs of every emitted token, from the row that predicted it, as vLLM's Sampler
+        reports them: the top `max_num_logprobs`, or, where any request names
+        `logprob_token_ids`, those ids (vLLM prefers them over top-k for the whole batch)."""
         rows = accepted.accepted_rows.clamp(min=0) + row_start.to(logits.device)[:, None]
         row_logits = logits[rows.flatten()].to(torch.float32)
         tokens = accepted.output_token_ids.flatten().clamp(min=0)
         logprobs = self.sampler.compute_logprobs(row_logits)
-        if max_num_logprobs == -1:
+        if sampling_metadata.logprob_token_ids:
+            # Output rows are [batch, 1 + max_nodes], flattened: request b's at b * width + j.
+            width = accepted.output_token_ids.shape[1]
+            ids_of_row = {b * width + j: ids for b, ids in sampling_metadata.logprob_token_ids.items()
+                          for j in range(width)}
+            return self.sampler.gather_specific_token_logprobs(logprobs, ids_of_row, tokens)
+        if sampling_metadata.max_num_logprobs == -1:
             return LogprobsTensors(torch.empty(0), logprobs, torch.empty(0))
-        return self.sampler.gather_logprobs(logprobs, max_num_logprobs, tokens)
+        return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
