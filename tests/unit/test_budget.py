@@ -1,4 +1,4 @@
-"""The adaptive node budget (vllm_gsd.graph.budget): cost curves, calibration, choices."""
+"""The adaptive node budget (vllm_gsd.policy): cost curves, calibration, choices."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_gsd.graph import GraphBuilder, GraphParams
-from vllm_gsd.graph.budget import AcceptanceModel, CostCurve, NodeBudgetPolicy, best_rate
+from vllm_gsd.policy import AcceptanceModel, CostCurve, NodeBudgetPolicy, StepForecast, StepKind, best_step
 
 FLAT = CostCurve((1,), (0.1,))
 # A CPU-like target: flat up to 8 tokens, then linear.
@@ -53,7 +53,8 @@ def test_best_rate_is_the_brute_force_maximum():
     for _ in range(50):
         gains = np.sort(rng.uniform(0, 1, rng.integers(0, 40)))[::-1]
         base, fixed = float(rng.integers(1, 9)), float(rng.uniform(0, 0.5))
-        k, rate = best_rate(base, gains, fixed, CPU_LIKE)
+        step = best_step(base, gains, fixed, CPU_LIKE)
+        k, rate = step.num_nodes, step.rate
         rates = [(base + gains[:j].sum()) / (fixed + CPU_LIKE(base + j)) for j in range(gains.size + 1)]
         assert rate == pytest.approx(max(rates))
         assert k == int(np.argmax(rates))
@@ -161,7 +162,8 @@ def test_the_policy_drafts_as_deep_as_pays():
         _teach(policy, path_prob, depth, level_rows=[1, 1, 1, 1])
     assert costly.should_draft(1, 0).depth == 2
     assert cheap.should_draft(1, 0).depth == 4
-    tokens, seconds = costly.predict(1, 0)
+    forecast = costly.predict(1, 0)
+    tokens, seconds = forecast.tokens, forecast.seconds
     # Depth 2: 1 + 0.9 + 0.8 tokens in two draft forwards and one target step; plain: 1 in 0.1 s.
     assert tokens[2] / seconds[2] == pytest.approx(2.7 / (0.08 + 0.1))
     assert (tokens[0], seconds[0]) == (1, pytest.approx(0.1))
@@ -171,8 +173,7 @@ def test_a_depth_is_predicted_only_once_a_step_drafted_that_deep():
     policy = _policy(FLAT, draft_cost=CostCurve((1,), (1e-5,)), node_budget=4, max_depth=4)
     _teach(policy, np.array([[0.9, 0.8, 0.0, 0.0]]), np.array([[1, 2, 0, 0]]), level_rows=[1, 1],
            drafted_depth=2)
-    tokens, seconds = policy.predict(1, 0)
-    rates = tokens / seconds
+    rates = policy.predict(1, 0).rates
     assert not np.isnan(rates[:3]).any() and np.isnan(rates[3:]).all()
     assert policy.should_draft(1, 0).depth == 2
     np.testing.assert_allclose(policy.gain_curve(1), [0, 0.9, 0.9, 0.9, 0.9])
@@ -210,13 +211,13 @@ def test_learned_scales_carry_real_step_times_into_the_decision():
         policy.select(np.tile([0.95, 0.9, 0.3, 0.2], (8, 1)), np.tile([1, 2, 1, 2], (8, 1)),
                       np.full(8, 4), 0, 0.04)
         for _ in range(100):
-            policy.observe_time("plain", 0.11, 0.11)
-            policy.observe_time("tree", 0.2, 0.6)
+            policy.observe_time(StepKind.PLAIN, 0.11, 0.11)
+            policy.observe_time(StepKind.TREE, 0.2, 0.6)
         return policy
 
     assert taught(learn_scales=False).should_draft(8, 0)
     learned = taught(learn_scales=True)
-    assert learned.scale["tree"] == pytest.approx(3.0, rel=0.01) and learned.scale["plain"] == pytest.approx(1.0)
+    assert learned.scale[StepKind.TREE] == pytest.approx(3.0, rel=0.01) and learned.scale[StepKind.PLAIN] == pytest.approx(1.0)
     assert not learned.should_draft(8, 0)
 
 
@@ -340,15 +341,16 @@ class _World:
         tokens[0], seconds[0] = 1.0, self.plain_seconds
         for d, (t, sec) in self.model.items():
             tokens[d], seconds[d] = t, sec
-        return tokens, seconds
+        return StepForecast(tokens, seconds)
 
     def run(self, referee, steps, num_requests=1):
         """Drive the referee as the engine does; return (steps by arm, seconds, seconds plain
         steps would take for the same tokens)."""
         arms, seconds, plain_seconds = collections.Counter(), 0.0, 0.0
         for _ in range(steps):
-            tokens, predicted = self.prediction()
-            depth, _ = referee.choose(num_requests, tokens, predicted)
+            forecast = self.prediction()
+            tokens, predicted = forecast.tokens, forecast.seconds
+            depth = referee.choose(num_requests, forecast).depth
             arms[depth] += 1
             if depth == 0:
                 emitted, took = 1.0, self.plain_seconds
@@ -362,7 +364,7 @@ class _World:
 
 
 def _referee(max_depth=4, **kwargs):
-    from vllm_gsd.graph.budget import WallClockReferee
+    from vllm_gsd.policy import WallClockReferee
 
     return WallClockReferee(max_depth, **kwargs)
 
@@ -412,8 +414,8 @@ def test_referee_judges_each_load_apart():
     _World(0.1, slow, {d: (3.0, 0.2) for d in range(1, 5)}).run(referee, 300, num_requests=32)
     fast = {d: (3.0, 0.2) for d in range(1, 5)}
     assert _World(0.1, fast).run(referee, 300, num_requests=1)[0][0] <= 20
-    tokens, seconds = _World(0.1, fast).prediction()
-    assert referee.choose(32, tokens, seconds)[0] == 0
+    forecast = _World(0.1, fast).prediction()
+    assert referee.choose(32, forecast).depth == 0
 
 
 def test_referee_starts_a_heavier_load_from_what_a_lighter_one_measured():
@@ -434,8 +436,9 @@ def test_referee_counts_the_catch_up_into_the_cost_of_a_try():
         referee, world = _referee(), _World(0.1, {d: (3.0, 0.5) for d in range(1, 5)}, {d: (3.0, 0.2) for d in range(1, 5)})
         arms = collections.Counter()
         for step in range(6000):
-            tokens, predicted = world.prediction()
-            depth, _ = referee.choose(1, tokens, predicted, catch_up_seconds)
+            forecast = world.prediction()
+            tokens, predicted = forecast.tokens, forecast.seconds
+            depth = referee.choose(1, forecast, catch_up_seconds).depth
             arms[depth] += step >= 100  # the tries, not the first measurements
             # The engine leaves the catch-up out of the step it measures (it is the streak's).
             took = 0.1 if depth == 0 else 0.5
@@ -462,11 +465,11 @@ def test_referee_tries_again_and_follows_a_change():
 
 def test_referee_measures_plain_steps_first():
     referee = _referee()
-    tokens, seconds = _World(0.1, {1: (3.0, 0.2)}).prediction()
-    assert referee.choose(1, tokens, seconds)[0] == 0 and not referee.plain_measured(1)
+    forecast = _World(0.1, {1: (3.0, 0.2)}).prediction()
+    assert referee.choose(1, forecast).depth == 0 and not referee.plain_measured(1)
     for _ in range(3):
         referee.observe(0, 1, 1.0, 0.1, 1.0, 0.1)
-    assert referee.plain_measured(1) and referee.choose(1, tokens, seconds)[0] == 1
+    assert referee.plain_measured(1) and referee.choose(1, forecast).depth == 1
 
 
 def test_referee_corrects_cost_per_arm_and_yield_for_all_drafted_arms():
@@ -478,14 +481,15 @@ def test_referee_corrects_cost_per_arm_and_yield_for_all_drafted_arms():
         referee.observe(0, 1, 1.0, 0.1, 1.0, 0.1)
     for _ in range(50):
         referee.observe(1, 1, 1.5, 0.4, 3.0, 0.2)
-    tokens, seconds = referee.corrected(1, np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25]))
+    corrected = referee.corrected(1, StepForecast(np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25])))
+    tokens, seconds = corrected.tokens, corrected.seconds
     assert tokens[0] == 1.0 and seconds[0] == pytest.approx(0.1)
     assert tokens[1] == pytest.approx(1.5, rel=0.05) and seconds[1] == pytest.approx(0.4, rel=0.02)
     assert tokens[2] == pytest.approx(2.0, rel=0.05) and seconds[2] == pytest.approx(0.5, rel=0.02)
     # The yield follows the model's recent bias: steps that yield what the model expects bring it back.
     for _ in range(100):
         referee.observe(1, 1, 3.0, 0.4, 3.0, 0.2)
-    tokens, _ = referee.corrected(1, np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25]))
+    tokens = referee.corrected(1, StepForecast(np.array([1.0, 3.0, 4.0]), np.array([0.1, 0.2, 0.25]))).tokens
     assert tokens[2] == pytest.approx(4.0, rel=0.05)
 
 
@@ -508,7 +512,7 @@ def test_referee_averages_an_arms_first_steps_evenly():
         referee.observe(0, 1, 1.0, 0.1, 1.0, 0.1)
     for took in (0.8, 0.2, 0.2):
         referee.observe(1, 1, 3.0, took, 3.0, 0.2)
-    _, seconds = referee.corrected(1, np.array([1.0, 3.0]), np.array([0.1, 0.2]))
+    seconds = referee.corrected(1, StepForecast(np.array([1.0, 3.0]), np.array([0.1, 0.2]))).seconds
     assert seconds[1] == pytest.approx(0.2 * 4 ** (1 / 3), rel=0.01)
 
 
@@ -519,8 +523,9 @@ def test_referee_does_not_walk_a_load_whose_catch_up_costs_more_than_the_walk():
     referee, world = _referee(), _World(0.1, {d: (3.0, 0.5) for d in range(1, 5)}, {d: (3.0, 0.5) for d in range(1, 5)})
     arms = collections.Counter()
     for _ in range(60):
-        tokens, predicted = world.prediction()
-        depth, _ = referee.choose(8, tokens, predicted, catch_up_seconds=4.0)
+        forecast = world.prediction()
+        tokens, predicted = forecast.tokens, forecast.seconds
+        depth = referee.choose(8, forecast, catch_up_seconds=4.0).depth
         arms[depth] += 1
         referee.observe(depth, 8, 1.0 if depth == 0 else 3.0, 0.1 if depth == 0 else 0.5, tokens[depth], predicted[depth])
     assert arms[0] == 60, arms
@@ -557,7 +562,7 @@ def test_drafting_pays_back_a_catch_up_only_within_the_tokens_left():
     """A catch-up of 1.6 s (eight fresh prompts: the draft's prefill), drafting 1.25x plain at 8
     requests of 0.15 s plain steps (53 tokens/s): 47 tokens a request save 1.4 s, too few;
     200 save 6 s; an unbounded request, or no catch-up, always pays."""
-    from vllm_gsd.graph.budget import pays_back
+    from vllm_gsd.policy import pays_back
 
     plain_rate = 8 / 0.15
     assert not pays_back(plain_rate, 1.25 * plain_rate, 1.6, 8, 47)
@@ -573,8 +578,9 @@ def test_referee_drafts_fresh_requests_only_where_their_catch_up_pays_back():
     truth = {d: (3.0, 0.2) for d in range(1, 5)}
     referee, world = _referee(), _World(0.1, truth)
     world.run(referee, 200)  # both arms measured at this load
-    tokens, predicted = world.prediction()
-    long_depth, _ = referee.choose(1, tokens, predicted, catch_up_seconds=2.0, tokens_left=500)
-    short_depth, why = referee.choose(1, tokens, predicted, catch_up_seconds=2.0, tokens_left=20)
+    forecast = world.prediction()
+    long_depth = referee.choose(1, forecast, catch_up_seconds=2.0, tokens_left=500).depth
+    short = referee.choose(1, forecast, catch_up_seconds=2.0, tokens_left=20)
+    short_depth, why = short.depth, short.why
     assert long_depth > 0
     assert short_depth == 0 and "would not pay back" in why

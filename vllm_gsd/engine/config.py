@@ -77,7 +77,7 @@ class GsdConfig(BaseModel):
     """A node whose draft probability is below this is verified but not expanded."""
     adaptive: bool = True
     """Choose per step whether to draft, how deep, and how many nodes to verify, from the number of
-    running requests and the cost curves (vllm_gsd.graph.budget); False = always draft max_depth
+    running requests and the cost curves (vllm_gsd.policy); False = always draft max_depth
     levels and verify up to the node budget."""
     cost_curve: CostCurveConfig | None = None
     """Forward times by query tokens for the adaptive budget; None = measured at start-up."""

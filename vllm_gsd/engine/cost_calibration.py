@@ -22,7 +22,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_gsd.engine import LOGGER_NAME
-from vllm_gsd.graph.budget import CostCurve
+from vllm_gsd.policy import CostCurve
 
 logger = logging.getLogger(LOGGER_NAME)
 

@@ -10,7 +10,7 @@ kept in `self.trees[req_id]` for the next step's verification (engine/runner_hoo
 
 One step, for the requests that may grow a tree (engine/eligibility.py, not finishing, and room
 for the tree before the target's and the draft's context limits and in the allocated blocks):
-0. Policy (adaptive node budget, vllm_gsd.graph.budget): at this load, which depth (or plain
+0. Policy (adaptive node budget, vllm_gsd.policy): at this load, which depth (or plain
    decoding) is expected to emit the most tokens per second, corrected by whole steps as they
    measured (WallClockReferee)? If plain, nothing runs on the draft this step.
 1. Catch-up: the draft runs causally over every token it has not seen yet, up to and including
@@ -56,11 +56,11 @@ from vllm_gsd.engine.sampling import is_sampled, noise_key, processed_scores
 from vllm_gsd.engine.scorer import rows_per_chunk
 from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot
 from vllm_gsd.graph import GraphBuilder, VerificationTree, warm_up
-from vllm_gsd.graph.budget import NodeBudgetPolicy, WallClockReferee
 from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
 from vllm_gsd.engine.lookup import (Extensions, LookupAccuracy, append_extensions, find_node, lookup_extensions,
                                     lookup_outcome, node_path)
 from vllm_gsd.engine.lookup import warm_up as warm_up_lookup
+from vllm_gsd.policy import NodeBudgetPolicy, StepKind, WallClockReferee
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -155,7 +155,7 @@ class GsdProposer(DraftModelProposer):
         self._draft: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
         self._ledger: DraftKvLedger | None = None  # made once the block size is known
         # Measured step times not yet given to the policy: (kind, seconds by the curves, seconds).
-        self._step_times: list[tuple[str, float, float]] = []
+        self._step_times: list[tuple[StepKind, float, float]] = []
         self._curve_seconds = 0.0  # this step's draft forwards, by the draft's cost curve
         self._refusals_logged: set[str] = set()
         self.metrics = None  # engine.metrics.GsdMetrics of the worker
@@ -184,7 +184,7 @@ class GsdProposer(DraftModelProposer):
     def record_target_forward(self, num_tokens: int, seconds: float, verified_trees: bool) -> None:
         """The runner's target forward of this step took `seconds` (engine/runner_hooks.py)."""
         if self.policy is not None and self.policy.learn_scales:
-            self._step_times.append(("tree" if verified_trees else "plain",
+            self._step_times.append((StepKind.TREE if verified_trees else StepKind.PLAIN,
                                      float(self.policy.target_cost(num_tokens)), seconds))
 
     def _learn_step_times(self, scheduler_output, valid_sampled_token_ids, stats: GsdStats) -> None:
@@ -317,7 +317,7 @@ class GsdProposer(DraftModelProposer):
         drafted_in = time.perf_counter() - started
         stats.draft_step_us += int(drafted_in * 1e6)
         if self.policy is not None and self.policy.learn_scales:
-            self._step_times.append(("draft", self._curve_seconds, drafted_in))
+            self._step_times.append((StepKind.DRAFT, self._curve_seconds, drafted_in))
         self._check_ranks_agree(req_ids, drafts)
         self._record(stats)
         return drafts
@@ -329,7 +329,7 @@ class GsdProposer(DraftModelProposer):
             return 0.0
         behind = [c.root_pos + 1 - c.catch_up_from for c in candidates]
         steady = [min(b, len(valid_sampled_token_ids[c.batch_row])) for b, c in zip(behind, candidates)]
-        return self.policy.scale["draft"] * float(self.policy.draft_cost(sum(behind))
+        return self.policy.scale[StepKind.DRAFT] * float(self.policy.draft_cost(sum(behind))
                                                   - self.policy.draft_cost(sum(steady)))
 
     def _decide(self, num_requests: int, num_candidates: int, num_plain: int, stats: GsdStats,
@@ -347,12 +347,12 @@ class GsdProposer(DraftModelProposer):
         if self.referee is None:
             depth = decision.depth if decision else 0
             return depth, explorers, _predicted_rate(decision, depth), decision.why
-        if decision.tokens is None:  # nothing to predict from yet: the model's first tree
+        if decision.forecast is None:  # nothing to predict from yet: the model's first tree
             depth, why = (decision.depth, "") if self.referee.plain_measured(num_requests) else (
                 0, "measuring plain steps first")
         else:
-            depth, why = self.referee.choose(num_requests, decision.tokens, decision.seconds, catch_up_seconds,
-                                             tokens_left)
+            choice = self.referee.choose(num_requests, decision.forecast, catch_up_seconds, tokens_left)
+            depth, why = choice.depth, choice.why
             explorers = None
         if decision and not depth:
             stats.steps_vetoed += 1
@@ -787,9 +787,7 @@ class GsdProposer(DraftModelProposer):
 
 def _predicted_rate(decision, depth: int) -> float | None:
     """The model's tokens per second of a step drafted `depth` levels, where it predicted one."""
-    if decision.tokens is None or depth == 0 or np.isnan(decision.tokens[depth]):
-        return None
-    return float(decision.tokens[depth] / decision.seconds[depth])
+    return None if decision.forecast is None else decision.forecast.rate(depth)
 
 
 def _with_extensions(tree: VerificationTree, extensions: Extensions, odds: float
