@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from sampling_stand_ins import sampling_metadata
 
 pytest.importorskip("vllm")
 
@@ -34,19 +35,6 @@ def _runner(params_of_request):
         requests={r: SimpleNamespace(sampling_params=p, output_token_ids=[1, 2]) for r, p in zip(req_ids, params_of_request)},
         vllm_config=SimpleNamespace(model_config=SimpleNamespace(seed=0)),
     )
-
-
-def _sampling_metadata(batch_size: int, temperature: float):
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-
-    zeros = torch.zeros(batch_size)
-    return SamplingMetadata(
-        temperature=torch.full((batch_size,), temperature), all_greedy=False, all_random=True, top_p=None,
-        top_k=None, generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
-        frequency_penalties=zeros, presence_penalties=zeros, repetition_penalties=torch.ones(batch_size),
-        output_token_ids=[[] for _ in range(batch_size)], allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors())
 
 
 def _draws_with_noise_dependent_trees(params_of_request) -> np.ndarray:
@@ -71,7 +59,7 @@ def _draws_with_noise_dependent_trees(params_of_request) -> np.ndarray:
     scheduled = SimpleNamespace(scheduled_spec_decode_tokens={})
     sampler = GsdSampler(logprobs_mode="raw_logprobs")
     sampler.keyed = _keyed_roots(runner, scheduled, np.ones(batch, dtype=np.int64))
-    plain, _ = sampler.sample(log_probs.to(torch.float32).clone(), _sampling_metadata(batch, 1.0))
+    plain, _ = sampler.sample(log_probs.to(torch.float32).clone(), sampling_metadata([1.0] * batch))
     return torch.where(has_tree, walked, plain.long()).numpy()
 
 

@@ -1,0 +1,107 @@
+"""GsdRejectionSampler on fake logits (engine/scorer.py): the accepted path, the target's token
+after it, and the logprobs vLLM reports along it, for trees built by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sampling_stand_ins import sampling_metadata
+
+pytest.importorskip("vllm")
+
+VOCAB = 16
+# Request 0: a tree of 4 nodes under its root (rows 1..4): rows 1, 2 children of the root,
+# row 3 a child of row 1, row 4 a child of row 3. Request 1: no nodes. Request 2: a chain of 2.
+PARENTS = [[0, 0, 1, 3], [], [0, 1]]
+DRAFTS = [[5, 6, 7, 8], [], [9, 10]]
+# The target's argmax at every row, request by request (root first): request 0 takes row 2
+# (token 6), whose row predicts 11, a token no child carries; request 2 accepts its whole chain.
+ARGMAX = [[6, 3, 11, 1, 2], [4], [9, 10, 12]]
+
+
+def _scorer_inputs(temperature: list[float] | None = None, **metadata_fields):
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from vllm_gsd.engine.tree_batch import TreeSpecDecodeMetadata, build_tree_batch
+
+    batch = len(PARENTS)
+    width = max(map(len, PARENTS))
+    parent_row = torch.full((batch, width), -1, dtype=torch.int64)
+    depth = torch.zeros((batch, width), dtype=torch.int64)
+    for b, parents in enumerate(PARENTS):
+        for i, parent in enumerate(parents):
+            parent_row[b, i] = parent
+            depth[b, i] = 1 + (depth[b, parent - 1] if parent else 0)
+    num_nodes = torch.tensor([len(p) for p in PARENTS])
+    query_start_loc = np.concatenate([[0], np.cumsum(num_nodes.numpy() + 1)])
+    tree_base = np.array([40, 7, 23])
+    temperature = temperature or [0.0] * batch
+    keys = [None if t == 0.0 else 1234 + b for b, t in enumerate(temperature)]
+    tree = build_tree_batch(parent_row, depth, num_nodes, tree_base, torch.zeros_like(parent_row, dtype=torch.bool),
+                            keys, query_start_loc, torch.device("cpu"))
+    metadata = TreeSpecDecodeMetadata.wrap(SpecDecodeMetadata.make_dummy(DRAFTS, torch.device("cpu")), tree)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(int(query_start_loc[-1]), VOCAB, generator=generator)
+    for row, token in enumerate(sum(ARGMAX, [])):
+        logits[row, token] += 8.0
+    return metadata, logits, sampling_metadata(temperature, **metadata_fields)
+
+
+def _score(metadata, logits, sampling):
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_gsd.engine.scorer import GsdRejectionSampler, GsdSampler
+
+    scorer = GsdRejectionSampler(GsdSampler(logprobs_mode="raw_logprobs"), None, torch.device("cpu"))
+    return scorer(metadata, None, logits.clone(), sampling), Sampler.compute_logprobs(logits)
+
+
+def test_greedy_walk_emits_the_accepted_path_and_the_targets_token():
+    output, _ = _score(*_scorer_inputs())
+    assert output.sampled_token_ids.tolist() == [[6, 11, -1, -1, -1], [4, -1, -1, -1, -1], [9, 10, 12, -1, -1]]
+    assert output.accepted.num_accepted.tolist() == [1, 0, 2]
+    assert output.accepted.accepted_rows[0, :2].tolist() == [0, 2]
+
+
+def test_top_logprobs_come_from_the_row_that_predicted_each_token():
+    output, logprobs = _score(*_scorer_inputs(max_num_logprobs=2))
+    tensors = output.logprobs_tensors
+    width = output.sampled_token_ids.shape[1]
+    # Request 0 emitted 6 from its root (row 0) and 11 from its node row 2 (logits row 2).
+    for j, logits_row in enumerate([0, 2]):
+        row = 0 * width + j
+        emitted = output.sampled_token_ids[0, j]
+        assert tensors.logprob_token_ids[row, 0] == emitted
+        assert torch.allclose(tensors.logprobs[row, 0], logprobs[logits_row, emitted])
+        top2 = logprobs[logits_row].topk(2)
+        assert tensors.logprob_token_ids[row, 1:].tolist() == top2.indices.tolist()
+
+
+def test_logprob_token_ids_are_reported_along_the_path():
+    """A request naming token ids gets their logprobs at every token it emitted, from the row
+    that predicted it; the sampled token comes first, as vLLM's Sampler lays them out."""
+    output, logprobs = _score(*_scorer_inputs(logprob_token_ids={2: [3, 14]}))
+    tensors = output.logprobs_tensors
+    assert tensors is not None
+    width = output.sampled_token_ids.shape[1]
+    for j, logits_row in enumerate([6, 7, 8]):  # request 2's rows: root, node 1, node 2
+        row = 2 * width + j
+        emitted = int(output.sampled_token_ids[2, j])
+        assert tensors.logprob_token_ids[row].tolist() == [emitted, 3, 14]
+        assert torch.allclose(tensors.logprobs[row], logprobs[logits_row, [emitted, 3, 14]])
+
+
+def test_sampled_walk_draws_every_row_with_its_positions_noise():
+    """A sampled request's token at each visited row is argmax(logits / T + G(key, position)):
+    row 0 at tree_base + 1, a node at tree_base + depth + 1."""
+    from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
+
+    metadata, logits, sampling = _scorer_inputs(temperature=[0.0, 0.0, 0.8])
+    output, _ = _score(metadata, logits, sampling)
+    emitted = output.sampled_token_ids[2]
+    accepted = int(output.accepted.num_accepted[2])
+    for j in range(accepted + 1):
+        logits_row = 6 + j  # a chain: the path's j-th row is node j
+        noise = gumbel_noise(np.array([1234 + 2]), np.array([23 + j + 1]), VOCAB)
+        assert emitted[j] == gumbel_argmax(logits[logits_row:logits_row + 1] / 0.8, noise)[0]
