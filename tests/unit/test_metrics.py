@@ -40,3 +40,24 @@ def test_phase_timers_cover_decode_steps_only():
     assert (stats.steps, stats.decode_steps) == (3, 1)
     assert (stats.target_forward_us, stats.draft_step_us, stats.verify_us) == (180_000, 150_000, 3_000)
     assert stats.draft_tokens_computed == 300  # counts are not timers: every step's count
+
+
+def test_only_the_exporting_rank_adds_to_the_process_counters():
+    """Every tensor-parallel rank drafts and scores the same trees and counts the same figures;
+    were each to export them, /metrics (which sums every worker process's counters) would show
+    them tp times. Two ranks: only rank 0's steps reach the counters; both keep their figures
+    (gsd_stats reads them from a worker)."""
+    from prometheus_client import REGISTRY
+
+    from vllm_gsd.engine.metrics import GsdMetrics
+
+    def exported() -> float:
+        return REGISTRY.get_sample_value("vllm:gsd_trees_verified_total") or 0.0
+
+    rank0, rank1 = GsdMetrics(exports=True), GsdMetrics(exports=False)
+    before = exported()
+    for metrics in (rank0, rank1):
+        metrics.add(trees_verified=3)
+        metrics.step_done()
+    assert exported() - before == 3
+    assert rank0.stats.trees_verified == rank1.stats.trees_verified == 3

@@ -30,6 +30,11 @@ worker knows is counted here, per worker process:
 They are exported as Prometheus counters `vllm:gsd_*` (the OpenAI server collects worker
 processes through vLLM's multiprocess registry, so they appear on /metrics), logged every
 `LOG_INTERVAL_S` seconds by the worker, and readable offline with `gsd_stats(llm)`.
+
+Every tensor-parallel rank runs the drafter and the scorer on the same trees and counts the
+same figures; /metrics sums the counters of every worker process, so only one rank of each
+engine, tensor-parallel rank 0 (`exports`), adds to them and logs them. Every rank keeps its
+figures (`gsd_stats` reads the first worker's).
 """
 
 from __future__ import annotations
@@ -108,10 +113,12 @@ def decodes_only(scheduler_output) -> bool:
 
 
 class GsdMetrics:
-    """Accumulates GsdStats in a worker and exports them. A step runs from the runner's
-    execute_model (`begin_step`) to the drafter's `step_done`."""
+    """Accumulates GsdStats in a worker and, where `exports` (one rank of the engine: see the
+    module's docstring), exports and logs them. A step runs from the runner's execute_model
+    (`begin_step`) to the drafter's `step_done`."""
 
-    def __init__(self) -> None:
+    def __init__(self, exports: bool = True) -> None:
+        self.exports = exports
         self.stats = GsdStats()
         self._counters = None
         self._exported = GsdStats()
@@ -130,6 +137,8 @@ class GsdMetrics:
     def step_done(self) -> None:
         self.stats.steps += 1
         self.stats.decode_steps += self._decode_step
+        if not self.exports:
+            return
         self._export()
         now = time.monotonic()
         if now - self._last_log >= LOG_INTERVAL_S and self.stats.trees_verified:
