@@ -63,3 +63,22 @@ def test_advance_is_incremental():
         assert progress.known == known and progress.marked_blocks == known // BS
     whole = ledger.resume(ids, blocks, start=40)
     assert whole.known == 40 and whole.digest == progress.digest
+
+
+def test_a_reused_block_the_draft_wrote_only_in_part_keeps_no_stale_mark():
+    """A's draft filled and marked blocks [0, 1] (prefix P). The block 1 is freed, evicted and
+    handed to B, a request with the same prompt at the same place (the tail of a freed request
+    is the first block evicted). B's draft catches up to its root at position 5 and writes its
+    graph rows (drafted tokens, not P's) into positions 6 and 7 of block 1, then B decodes
+    plainly: the target fills the block with P's tokens, so vLLM caches it for P again, while
+    its draft KV holds B's graph rows. A request C with prefix P that hits B's blocks must not
+    trust block 1's draft KV: A's mark is stale for every position written since."""
+    ledger = DraftKvLedger(BS)
+    prefix = tokens(8)
+    a = ledger.resume(prefix, np.array([0, 1]), start=0)
+    ledger.advance(a, prefix, np.array([0, 1]), known=8)
+    assert ledger.resume(prefix, np.array([0, 1]), start=8).known == 8
+    b = ledger.resume(prefix, np.array([5, 1]), start=0)
+    ledger.advance(b, prefix, np.array([5, 1]), known=6)  # graph rows then go to slots 6, 7
+    c = ledger.resume(prefix, np.array([5, 1]), start=8)
+    assert c.known == 4  # block 5 (B's, full and marked); not block 1

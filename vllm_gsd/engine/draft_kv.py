@@ -14,10 +14,17 @@ none). `DraftKvLedger` remembers, per physical block, the prefix whose draft KV 
   target KV valid below `start` trusts the draft KV of its leading blocks below `start` whose
   marks equal its own digests (`resume`), and the draft catches up from there.
 
-Marks are never wrong for a reader: the draft writes a block only for the requests that hold
-it, and a block that holds positions past a request's draft KV is not marked by it; a mark left
-on a freed block names the old prefix, which no other prefix matches (a block reused for new
-content loses its prefix-cache hash in vLLM, so it is never offered for the old prefix again).
+A mark holds only while the draft has not written the block since: the draft writes a block only
+for the requests that hold it, and `advance` marks the blocks it filled and drops the mark of every
+other block the request holds (the block of its next position and those after it, where its
+graph rows and its next catch-up write), before any other request reads the ledger. So a block
+that is freed and handed to another request (or to the same one after a preemption) loses its
+old mark as soon as the new holder's draft writes any of its positions; a block nobody's draft
+wrote since keeps its mark, which names the prefix whose draft KV it still holds. Without that
+drop, a block whose first positions were rewritten would keep a mark for the positions after
+them: vLLM caches a reused block again under its new content, which can be the old prefix (a
+request with the same prompt that got the evicted tail block of an earlier one), and a request
+with that prefix would trust draft KV of other tokens there (lost acceptance; output stays exact).
 Digests are blake2b (deterministic in every process, so every tensor-parallel rank decides the same).
 """
 
@@ -64,10 +71,14 @@ class DraftKvLedger:
 
     def advance(self, progress: DraftProgress, token_ids: np.ndarray, block_ids: np.ndarray,
                 known: int) -> None:
-        """The request's draft KV is now valid below `known`: mark every block it fills."""
+        """The request's draft KV is now valid below `known`: mark every block it fills, and drop
+        the marks of the blocks it holds past them (the draft writes there next, for this
+        request only: `known` is past its computed tokens, so those blocks are not shared)."""
         bs = self.block_size
         progress.known = known
         for j in range(progress.marked_blocks, known // bs):
             progress.digest = _chain(progress.digest, token_ids[j * bs:(j + 1) * bs])
             self._mark[int(block_ids[j])] = progress.digest
             progress.marked_blocks = j + 1
+        for block in block_ids[progress.marked_blocks:]:
+            self._mark.pop(int(block), None)
