@@ -101,6 +101,10 @@ def test_bad_knob_is_refused_by_name(models, gsd_block, field):
         ({"model": None}, {}, "speculative_config.model"),
         ({}, {"async_scheduling": True}, "async_scheduling"),
         ({"draft_tensor_parallel_size": 2}, {}, "draft_tensor_parallel_size"),
+        # vLLM refuses them for speculative engines only once a worker builds them, by a
+        # message naming neither gsd nor the setting.
+        ({}, {"logits_processors": ["vllm.v1.sample.logits_processor:MinPLogitsProcessor"]},
+         "custom logits processors (logits_processors)"),
     ],
 )
 def test_bad_speculative_config_is_refused_by_name(models, overrides, kwargs, message):
@@ -192,3 +196,31 @@ def test_an_int8_draft_the_cpu_cannot_run_is_refused_by_name(models, tmp_path, m
     # Without AMX tiles every CPU takes it (oneDNN).
     monkeypatch.setattr(gsd_config, "_cpu_has_amx_tiles", lambda: False)
     assert engine_config(models, gsd_spec(models, model=symmetric), dtype="float32").speculative_config
+
+
+def _with_tokenizer(root: Path, model_dir: Path, tokenizer: dict) -> str:
+    """A copy of `model_dir`'s config and tokenizer files with `tokenizer` as tokenizer.json."""
+    root.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (root / name).write_bytes((model_dir / name).read_bytes())
+    (root / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(root)
+
+
+def test_a_draft_with_the_targets_vocabulary_size_but_other_tokens_is_refused(tiny_target_path, tmp_path):
+    """A draft whose tokenizer has as many tokens as the target's but maps ids to other tokens
+    would propose ids the target reads as other tokens: accepted almost never. Here the target's
+    own tokenizer with two tokens' ids swapped (same size, same config)."""
+    target = Path(tiny_target_path)
+    tokenizer = json.loads((target / "tokenizer.json").read_text())
+    models = {"target": str(target), "draft": _with_tokenizer(tmp_path / "same", target, tokenizer)}
+    assert engine_config(models, gsd_spec(models)).speculative_config.method == "gsd"
+    vocab = tokenizer["model"]["vocab"]
+    swapped = {i: token for token, i in vocab.items() if i in (300, 301)}
+    vocab[swapped[300]], vocab[swapped[301]] = 301, 300
+    other = _with_tokenizer(tmp_path / "swapped", target, tokenizer)
+    with pytest.raises(Exception) as err:
+        engine_config(models, gsd_spec(models, model=other))
+    message = str(err.value)
+    assert "speculative_config.model" in message and "tokenizer" in message
+    assert f"id 300 is {swapped[300]!r} for the target and {swapped[301]!r} for the draft" in message
