@@ -23,14 +23,20 @@ draft's vocabulary, the draft's tensor parallelism, an int8 draft the CPU's kern
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
+from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.graph.params import GraphParams
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig
+
+logger = logging.getLogger(LOGGER_NAME)
 
 GSD_METHOD = "gsd"
 
@@ -162,6 +168,17 @@ def finalize_gsd_speculative_config(spec: SpeculativeConfig) -> None:
                 f"from the target's ({target_vocab} tokens); method 'gsd' needs a draft that "
                 "shares the target's tokenizer"
             )
+        difference = tokenizer_difference(
+            TokenizerSource(str(target.tokenizer), target.tokenizer_revision, target.tokenizer_mode,
+                            bool(target.trust_remote_code)),
+            TokenizerSource(str(spec.model), spec.revision, target.tokenizer_mode,
+                            bool(target.trust_remote_code)))
+        if difference is not None:
+            raise ValueError(
+                f"speculative_config.model: the draft's tokenizer ({spec.model}) is not the target's "
+                f"({target.tokenizer}): {difference}; method 'gsd' needs a draft that shares the "
+                "target's tokenizer (the target verifies the draft's token ids)"
+            )
     if target is not None and target.logprobs_mode != "raw_logprobs":
         raise ValueError(
             f"logprobs_mode={target.logprobs_mode!r} is not supported with speculative method "
@@ -177,6 +194,59 @@ def finalize_gsd_speculative_config(spec: SpeculativeConfig) -> None:
             "speculative_config.draft_tensor_parallel_size must equal the target's "
             f"tensor_parallel_size ({target_tp}) for method 'gsd', got {spec.draft_tensor_parallel_size}"
         )
+
+
+class TokenizerSource(NamedTuple):
+    """Where a tokenizer is loaded from (vLLM's get_tokenizer arguments)."""
+
+    path: str
+    revision: str | None
+    mode: str
+    trust_remote_code: bool
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tekken.json")
+DIFFERENCES_NAMED = 3
+
+
+@functools.lru_cache(maxsize=16)
+def tokenizer_difference(target: TokenizerSource, draft: TokenizerSource) -> str | None:
+    """What differs between the target's tokenizer and the one beside the draft model: the token
+    ids that name other tokens, ids added to either tokenizer (special and chat tokens, which a
+    base draft of a chat target may lack or name otherwise) left aside. None where they agree,
+    or where either cannot be loaded (a local model directory without tokenizer files, a hub
+    model out of reach): the vocabulary sizes are all that is checked there. Loaded once per
+    process and pair."""
+    vocabularies = [_vocabulary(source) for source in (target, draft)]
+    if None in vocabularies:
+        return None
+    (target_tokens, target_added), (draft_tokens, draft_added) = vocabularies
+    differing = sorted(i for i in target_tokens.keys() & draft_tokens.keys()
+                       if target_tokens[i] != draft_tokens[i] and i not in target_added | draft_added)
+    if not differing:
+        return None
+    named = ", ".join(f"id {i} is {target_tokens[i]!r} for the target and {draft_tokens[i]!r} for the draft"
+                      for i in differing[:DIFFERENCES_NAMED])
+    return f"{len(differing)} token ids name other tokens ({named})"
+
+
+def _vocabulary(source: TokenizerSource) -> tuple[dict[int, str], set[int]] | None:
+    """id -> token of the tokenizer at `source`, and the ids of its added tokens; None where it
+    cannot be loaded."""
+    local = Path(source.path)
+    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_FILES):
+        return None
+    try:
+        from vllm.tokenizers.registry import get_tokenizer
+
+        tokenizer = get_tokenizer(source.path, tokenizer_mode=source.mode, revision=source.revision,
+                                  trust_remote_code=source.trust_remote_code)
+        tokens = {i: token for token, i in tokenizer.get_vocab().items()}
+        added = set(tokenizer.get_added_vocab().values()) | set(tokenizer.all_special_ids)
+    except Exception as exc:  # noqa: BLE001 - any loader failure: the size check stands alone
+        logger.debug("gsd: no tokenizer loaded from %s to compare vocabularies (%s)", source.path, exc)
+        return None
+    return tokens, added
 
 
 def amx_int8_refusal(dtype: Any, quantization_config: dict | None) -> str | None:
