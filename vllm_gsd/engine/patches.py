@@ -260,6 +260,16 @@ def _wrap_rebind_kernels(original):
     any attribute it lacks, `__dict__` included, with a function wrapper, and the scan fails on
     it ("'_lib_fn_wrapper' object has no attribute 'get'"), so no worker starts. No llvmlite
     module holds a vLLM kernel.
+
+    Where and when: the CPU platform (without Triton-CPU) runs the scan in
+    `WorkerWrapperBase.init_worker`, in the process that hosts a worker, just after that call
+    loads the plugins and before the worker exists (so before any worker-scope patch, and in a
+    spawned worker before anything tells the plugin which engine it serves). It fails wherever
+    llvmlite is loaded then, and the plugin loads it in every process: the config patches
+    import engine/config.py, which imports the graph core (numba). Hence config scope. Where
+    llvmlite is not loaded the wrapper hides nothing; once engine/config.py imports the graph
+    core only where it is used, llvmlite is loaded only by gsd (the graph core in a gsd worker,
+    inherited by the processes it forks) and the wrapper acts only there.
     """
 
     @functools.wraps(original)
@@ -287,6 +297,11 @@ def _add_noop_finalize_loading(bundled_callable_cls: type) -> None:
     load fails ("'function' object has no attribute 'finalize_loading'") and every start compiles
     again (about 70-90 s for a 1.5B model on 2 cores). Inductor's callable is complete once
     deserialized, so there is nothing to finalize.
+
+    The load runs in the process that hosts the worker (the engine core under the CPU's
+    one-process executor, each worker process otherwise), in `load_model`, after the worker is
+    constructed: a worker-scope patch, so only a gsd worker's process gets it. An engine
+    without gsd loads and compiles as vLLM alone does.
     """
     if "finalize_loading" not in vars(bundled_callable_cls):
         bundled_callable_cls.finalize_loading = _nothing_to_finalize
@@ -342,17 +357,10 @@ CONFIG_PATCHES = [
     ),
     Patch(
         target="vllm.triton_utils.dispatcher:_rebind_kernels",
-        why="the CPU kernel-override scan, run before any worker starts, trips on llvmlite (numba)",
+        why="the CPU kernel-override scan, run before any worker exists, trips on llvmlite (numba), "
+            "which the plugin's own config patches load",
         scope="config",
         wrap=_wrap_rebind_kernels,
-    ),
-    Patch(
-        # torch's class, not vLLM's: vLLM 0.32's loader expects a method that inductor's saved
-        # functions lack; this is where that mismatch can be closed without copying vLLM's loader.
-        target="torch._dynamo.aot_compile_types:BundledAOTAutogradSerializableCallable",
-        why="vLLM's CPU build can load the compiled models it saved instead of compiling every start",
-        scope="config",
-        mutate=_add_noop_finalize_loading,
     ),
 ]
 
@@ -377,6 +385,15 @@ def _add_gsd_stats_method(worker_cls) -> None:
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 WORKER_PATCHES: list[Patch] = [
+    Patch(
+        # torch's class, not vLLM's: vLLM 0.32's loader expects a method that inductor's saved
+        # functions lack; this is where that mismatch can be closed without copying vLLM's loader.
+        target="torch._dynamo.aot_compile_types:BundledAOTAutogradSerializableCallable",
+        why="a gsd worker on vLLM's CPU build loads the compiled models it saved instead of "
+            "compiling at every start",
+        scope="worker",
+        mutate=_add_noop_finalize_loading,
+    ),
     Patch(
         target="vllm.v1.attention.backends.registry:AttentionBackendEnum",
         why="CPU_ATTN and TRITON_ATTN with the graph mask for tree rows (vLLM's backend registry)",
