@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, fields
 
@@ -169,6 +170,14 @@ def _process_counters() -> dict:
     (vLLM's in-process engine core) adds to them, as vLLM's own counters do."""
     global _COUNTERS
     if _COUNTERS is None:
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory is not None and not os.path.isdir(directory):
+            # A Ray worker on another node than the server gets the driver's path
+            # (engine/ray_env.py): prometheus_client would fail writing the counters there.
+            logger.warning("gsd: PROMETHEUS_MULTIPROC_DIR=%s is not a directory on this node; this "
+                           "worker does not export the vllm:gsd_* counters", directory)
+            _COUNTERS = {}
+            return _COUNTERS
         try:
             from prometheus_client import Counter
         except ImportError:  # pragma: no cover - vLLM depends on prometheus_client
