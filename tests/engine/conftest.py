@@ -16,7 +16,15 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-from vllm_gsd.testing.engines import GSD_KNOBS, REDUCED_DRAFT_VOCAB, WIDE_GSD, gsd_config, make_llm  # noqa: E402
+from vllm_gsd.testing.engines import (  # noqa: E402
+    GSD_KNOBS,
+    REDUCED_DRAFT_VOCAB,
+    TEST_REASONING,
+    WIDE_GSD,
+    default_gsd_config,
+    gsd_config,
+    make_llm,
+)
 
 
 @pytest.fixture(scope="session")
@@ -61,13 +69,17 @@ class _Engines:
                 gc.collect()
             target = self.models["target"]
             if name == "target":
-                llm = make_llm(target)
+                # The reasoning markers act only on requests with a thinking_token_budget.
+                llm = make_llm(target, reasoning_config=TEST_REASONING)
             elif name == "target_defaults":
                 from vllm import LLM
 
                 llm = LLM(target)  # vLLM's defaults, as the README's examples run (KV cache: the env's)
             elif name == "gsd":
-                llm = make_llm(target, gsd_config(self.models["perturbed"]))
+                llm = make_llm(target, gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING)
+            elif name == "gsd_defaults":
+                # What users run: GSD's default knobs, the adaptive budget cutting trees under load.
+                llm = make_llm(target, default_gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING)
             elif name == "gsd_wide":
                 llm = make_llm(target, gsd_config(self.models["perturbed"], WIDE_GSD["num_speculative_tokens"],
                                                   **WIDE_GSD["gsd"]))
@@ -91,8 +103,9 @@ class _Engines:
                 previous = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
                 try:
-                    llm = make_llm(target, gsd_config(self.models["perturbed"]),
-                                   tensor_parallel_size=2)
+                    # GSD's default knobs (CPU-like cost curves): the free-tree twin at tp 2 is
+                    # test_gsd_tp's rank-skew engine.
+                    llm = make_llm(target, default_gsd_config(self.models["perturbed"]), tensor_parallel_size=2)
                 finally:
                     if previous is None:
                         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")

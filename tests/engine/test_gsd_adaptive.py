@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_gsd.testing.engines import gsd_config, make_llm
+from vllm_gsd.testing.engines import CPU_LIKE_COSTS, gsd_config, make_llm
 
 pytestmark = pytest.mark.engine
-
-# A target whose forward costs the same up to 8 query tokens, then grows linearly (as on a CPU),
-# and a draft at a tenth of it: speculation pays for a few requests, not for many.
-CPU_LIKE_COSTS = {"target": [[1, 1.0], [8, 1.0], [16, 2.0]], "draft": [[1, 0.1]]}
 
 
 def _knobs(**overrides):

@@ -1,4 +1,11 @@
-"""Request options the tree path cannot honour are served exactly, without speculation."""
+"""Request options beside trees: each is honoured exactly, with a tree or without one.
+
+Every option test compares a gsd engine with the target alone on the same batch, with the
+option, AND checks that the option changes the target's output on that batch: an option the
+engine ignored could not pass. The option's requests run beside plain requests that get trees.
+Each runs on two gsd engines: trees on every step (the tests' free cost curves) and GSD's default
+knobs with CPU-like cost curves (the adaptive budget cuts some requests' trees).
+"""
 
 from __future__ import annotations
 
@@ -8,43 +15,126 @@ import pytest
 
 pytestmark = pytest.mark.engine
 
-TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "for i in range(10):\n"]
+TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "for i in range(10):\n", "class A:\n    def f(self):\n"]
+GSD_ENGINES = ["gsd", "gsd_defaults"]
 
 
-def _prompts(tokenizer):
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in TEXTS]
+def _prompts(tokenizer, texts=TEXTS):
+    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
 
 
-def _run(llm, prompts, params):
-    return llm.generate(prompts, params, use_tqdm=False)
+def _token_ids(llm, prompts, params):
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def _params(**option):
+    from vllm import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **option})
+
+
+def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, **plain_option):
+    """The option's requests, then plain ones, in one batch: gsd gives the target's tokens, and
+    the option's requests differ from the same requests without it."""
+    with_option = [_params(**option)] * len(prompts) + [_params()] * len(prompts)
+    without = [_params(**plain_option)] * len(prompts)
+    got = _token_ids(engines.get(gsd_engine), prompts + prompts, with_option)
+    want = _token_ids(engines.get("target"), prompts + prompts, with_option)
+    assert got == want
+    unchanged = _token_ids(engines.get("target"), prompts, without)
+    assert want[:len(prompts)] != unchanged, f"{option} does not change this batch's output: the test cannot fail"
+
+
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
 @pytest.mark.parametrize("option", [
     {"repetition_penalty": 1.3},
     {"presence_penalty": 0.8, "frequency_penalty": 0.4},
-    {"min_tokens": 12},
-    {"logit_bias": {5: 3.0, 17: -2.0}},
-    {"min_p": 0.3, "temperature": 0.0},
-    {"bad_words": ["def"]},
-])
-def test_unsupported_option_is_served_exactly(engines, tokenizer, option):
-    from vllm import SamplingParams
+    {"logit_bias": {11: 3.0, 12: -3.0}},
+    {"bad_words": ["#"]},
+    {"allowed_token_ids": list(range(300, 700))},
+], ids=["repetition_penalty", "presence_frequency", "logit_bias", "bad_words", "allowed_token_ids"])
+def test_greedy_option_is_served_exactly(engines, tokenizer, gsd_engine, option):
+    _served_exactly_beside_trees(engines, gsd_engine, _prompts(tokenizer), option)
 
-    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, **option})
+
+def test_extra_args_keep_their_trees(engines, tokenizer):
+    """extra_args (the OpenAI server's vllm_xargs) reach only custom logits processors, which a
+    gsd engine refuses at start: a request carrying them is verified as a tree, exactly."""
+    from vllm_gsd.testing.engines import acceptance_of
+
     prompts = _prompts(tokenizer)
-    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    # The option's requests run beside tree requests in one batch.
-    got = _run(engines.get("gsd"), prompts + prompts, [params] * 3 + [plain] * 3)
-    want = _run(engines.get("target"), prompts + prompts, [params] * 3 + [plain] * 3)
+    params = _params(extra_args={"request_tag": "a"})
+    got = engines.get("gsd").generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in got] == _token_ids(engines.get("target"), prompts, params)
+    assert acceptance_of(got)[1] > 0
+
+
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+def test_min_p_is_served_exactly(engines, tokenizer, gsd_engine):
+    """Seeded sampling with min_p: the same draws as the target alone (vLLM builds no min_p
+    processor for a speculative engine; a gsd engine must have one)."""
+    _served_exactly_beside_trees(engines, gsd_engine, _prompts(tokenizer),
+                                 {"min_p": 0.3, "temperature": 1.0, "seed": 3}, temperature=1.0, seed=3)
+
+
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+def test_min_tokens_holds_back_a_stop_token(engines, tokenizer, gsd_engine):
+    """A stop token the target emits early is held back until min_tokens."""
+    prompts = _prompts(tokenizer)
+    stop = _token_ids(engines.get("target"), prompts[:1], _params())[0][3]
+    _served_exactly_beside_trees(engines, gsd_engine, prompts,
+                                 {"min_tokens": 12, "stop_token_ids": [stop], "ignore_eos": False},
+                                 stop_token_ids=[stop], ignore_eos=False)
+
+
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+def test_thinking_budget_ends_thinking_on_the_budgeted_row(engines, tokenizer, gsd_engine):
+    """Requests that start inside a thinking section (the prompt ends with the start marker):
+    the budgeted ones, at batch rows 1 and 3, are forced to the end marker after the budget, the
+    others at rows 0 and 2 think on. A gsd engine has speculative tokens configured, so vLLM's
+    thinking-budget state lays rows out per draft token unless told each row is one request's."""
+    from vllm_gsd.testing.engines import TEST_REASONING
+
+    start = tokenizer(TEST_REASONING["reasoning_start_str"], add_special_tokens=False)["input_ids"]
+    end = tokenizer(TEST_REASONING["reasoning_end_str"], add_special_tokens=False)["input_ids"]
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"] + start} for p in _prompts(tokenizer)]
+    budgeted, plain = _params(max_tokens=16, thinking_token_budget=3), _params(max_tokens=16)
+    params = [plain, budgeted, plain, budgeted]
+    got = _token_ids(engines.get(gsd_engine), prompts, params)
+    want = _token_ids(engines.get("target"), prompts, params)
+    assert got == want
+    ends = [any(out[i:i + len(end)] == end for i in range(len(out))) for out in want]
+    unbudgeted = _token_ids(engines.get("target"), prompts, plain)
+    assert [want[1], want[3]] != [unbudgeted[1], unbudgeted[3]] and ends[1] and ends[3]
+
+
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+def test_logprob_token_ids_beside_tree_requests(engines, tokenizer, gsd_engine):
+    """Requests 1 and 3 ask the logprobs of given token ids: the target's, at every token, and
+    the requests themselves are verified as trees."""
+    from vllm_gsd.testing.engines import acceptance_of
+
+    prompts = _prompts(tokenizer)
+    asking = _params(logprob_token_ids=[11, 12, 100])
+    params = [_params(), asking, _params(), asking]
+    got = engines.get(gsd_engine).generate(prompts, params, use_tqdm=False)
+    want = engines.get("target").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in [(got[1], want[1]), (got[3], want[3])]:
+        assert len(g.outputs[0].logprobs) == len(w.outputs[0].logprobs) == 24
+        for step_g, step_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert set(step_g) == set(step_w) >= {11, 12, 100}
+            for token, entry in step_w.items():
+                assert math.isclose(step_g[token].logprob, entry.logprob, abs_tol=1e-4)
+    if gsd_engine == "gsd":  # trees on every step: the asking requests are verified as trees
+        assert acceptance_of([got[1], got[3]])[1] > 0
 
 
-def test_logprobs_along_accepted_paths(engines, tokenizer):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=3)
-    got = _run(engines.get("gsd"), _prompts(tokenizer), params)
-    want = _run(engines.get("target"), _prompts(tokenizer), params)
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+def test_logprobs_along_accepted_paths(engines, tokenizer, gsd_engine):
+    params = _params(max_tokens=20, logprobs=3)
+    got = engines.get(gsd_engine).generate(_prompts(tokenizer), params, use_tqdm=False)
+    want = engines.get("target").generate(_prompts(tokenizer), params, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
@@ -57,21 +147,21 @@ def test_n_greater_than_one(engines, tokenizer):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True, n=3)
-    first = _run(engines.get("gsd"), _prompts(tokenizer)[:1], params)[0]
-    again = _run(engines.get("gsd"), _prompts(tokenizer)[:1], params)[0]
+    first = engines.get("gsd").generate(_prompts(tokenizer)[:1], params, use_tqdm=False)[0]
+    again = engines.get("gsd").generate(_prompts(tokenizer)[:1], params, use_tqdm=False)[0]
     assert len(first.outputs) == 3 and all(len(c.token_ids) == 16 for c in first.outputs)
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
 
-def test_structured_output_is_served_exactly(engines, tokenizer):
-    from vllm import SamplingParams
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+def test_structured_output_is_served_exactly(engines, tokenizer, gsd_engine):
     from vllm.sampling_params import StructuredOutputsParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=8,
-                            structured_outputs=StructuredOutputsParams(choice=["import os", "def f"]))
+    params = _params(max_tokens=8, ignore_eos=False,
+                     structured_outputs=StructuredOutputsParams(choice=["import os", "def f"]))
     prompts = _prompts(tokenizer)
-    got = _run(engines.get("gsd"), prompts, params)
-    want = _run(engines.get("target"), prompts, params)
-    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
-    assert all(o.outputs[0].text in ("import os", "def f") for o in got)
+    got = engines.get(gsd_engine).generate(prompts + prompts, [params] * 4 + [_params()] * 4, use_tqdm=False)
+    want = engines.get("target").generate(prompts + prompts, [params] * 4 + [_params()] * 4, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert all(o.outputs[0].text in ("import os", "def f") for o in got[:4])

@@ -112,7 +112,10 @@ def wrap_build_logitsprocs(original):
 
     @functools.wraps(original)
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
-        if not is_gsd(vllm_config.speculative_config) or is_pooling_model or custom_logitsprocs:
+        # Called while wrap_runner_init runs vLLM's runner under the method name "draft_model":
+        # the gsd block tells a gsd engine (it is refused with any other method).
+        spec = vllm_config.speculative_config
+        if getattr(spec, "gsd", None) is None or is_pooling_model or custom_logitsprocs:
             return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
         from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
 

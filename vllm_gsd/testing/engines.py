@@ -16,6 +16,12 @@ NODE_BUDGET = 24
 FREE_TREES = {"target": [[1, 1.0]], "draft": [[1, 1e-4]]}
 GSD_KNOBS = {"top_k": 3, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.05, "leaf_prob": 0.0,
              "cost_curve": FREE_TREES}
+# A target whose forward costs the same up to 8 query tokens, then grows linearly (as on a CPU),
+# and a draft at a tenth of it: speculation pays for a few requests, not for many, so at batch 4
+# and more the adaptive budget cuts some requests' trees to no node at all.
+CPU_LIKE_COSTS = {"target": [[1, 1.0], [8, 1.0], [16, 2.0]], "draft": [[1, 0.1]]}
+# The tiny target's reasoning markers, for the thinking-budget tests (vLLM's ReasoningConfig).
+TEST_REASONING = {"reasoning_start_str": " think", "reasoning_end_str": " done"}
 # The widest tree vLLM's plumbing allows, at the chain's depth: for the acceptance comparison.
 WIDE_GSD = {"num_speculative_tokens": 128,
             "gsd": {"top_k": 4, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.0, "leaf_prob": 0.0,
@@ -60,6 +66,13 @@ def gsd_config(draft: str, node_budget: int = NODE_BUDGET, **knobs) -> dict:
     merged = {**GSD_KNOBS, **knobs}
     return {"method": "gsd", "model": draft, "num_speculative_tokens": node_budget,
             "gsd": {key: value for key, value in merged.items() if value is not None}}
+
+
+def default_gsd_config(draft: str, node_budget: int = NODE_BUDGET) -> dict:
+    """A gsd speculative_config with GSD's default knobs and CPU-like cost curves: what a user
+    runs (the adaptive budget cuts trees under load), with curves that do not depend on how
+    busy the test machine is."""
+    return gsd_config(draft, node_budget, **{**dict.fromkeys(GSD_KNOBS), "cost_curve": CPU_LIKE_COSTS})
 
 
 def acceptance_of(outputs) -> tuple[int, int]:
