@@ -59,7 +59,9 @@ def test_a_prefix_cached_without_draft_kv_keeps_the_drafts_acceptance(engines, t
 
 def test_a_draft_with_a_shorter_context_is_not_run_past_it(engines, tokenizer):
     """The "short" draft holds 256 positions, the target 512. Prompts below and past the draft's
-    context: every output is the target's; trees were verified where the draft has room."""
+    context: every output is the target's; requests past the draft's context got no tree (vLLM's
+    per-request spec-decode metrics count each request's verify steps), one within it did. With a
+    draft of the target's context the requests of 300 and 470 tokens got 9 and 8 verify steps."""
     from vllm_gsd.engine.metrics import gsd_stats
     from vllm_gsd.testing.tiny_models import SHORT_DRAFT_CONTEXT
 
@@ -70,4 +72,8 @@ def test_a_draft_with_a_shorter_context_is_not_run_past_it(engines, tokenizer):
     want = engines.get("target").generate(prompts, greedy(36), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert gsd_stats(llm).trees_verified > 0
+    verify_steps = [acceptance_of([o])[0] for o in got]
+    print(f"verify steps per request (prompts of 40, {SHORT_DRAFT_CONTEXT - 30}, 300, 470 tokens): {verify_steps}")
+    assert verify_steps[0] > 0, verify_steps  # the second crosses 256 while it decodes: trees until then
+    assert verify_steps[2:] == [0, 0], verify_steps
     assert llm.llm_engine.vllm_config.speculative_config.draft_model_config.max_model_len == SHORT_DRAFT_CONTEXT
