@@ -16,6 +16,56 @@ def test_every_patch_targets_something_that_exists_in_the_pinned_vllm():
         assert patch.why
 
 
+def test_every_implementation_named_by_a_patch_exists():
+    patches.declare_all()
+    for patch in registry.registered():
+        assert callable(registry.implementation(patch)), patch.target
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """vllm_gsd's modules and the vllm_gsd modules each imports, anywhere in its source."""
+    import ast
+    from pathlib import Path
+
+    import vllm_gsd
+
+    root = Path(vllm_gsd.__file__).parent
+    files = {".".join(("vllm_gsd", *f.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): f
+             for f in root.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, one level up per dot past the first
+                    parts = package.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                imported |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                             for alias in node.names}
+        graph[name] = {module for module in imported if module in files and module != name}
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for module in graph[todo.pop()] - seen:
+            seen.add(module)
+            todo.append(module)
+    return seen
+
+
+def test_vllm_gsd_imports_have_no_cycle_and_the_declarations_no_runner_code():
+    graph = _import_graph()
+    assert [m for m in graph if m in _reachable(graph, m)] == []
+    # Loading the plugin imports the declarations; the runner's hooks come with a gsd worker.
+    assert "vllm_gsd.engine.runner_hooks" not in _reachable(graph, "vllm_gsd.engine.patches")
+
+
 def test_register_is_idempotent():
     register()
     applied = {p.target for p in registry.registered("config") if registry.is_applied(p.target)}

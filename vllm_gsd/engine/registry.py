@@ -4,9 +4,11 @@ Every change to a vLLM object is a `Patch`: what it targets ("module:Qualified.n
 when it applies:
 
 * scope "config": in every process, when the plugin loads (config classes are built in the API
-  server, the engine core and the workers alike);
-* scope "worker": lazily, when the first vLLM worker is constructed in a process, so that model
-  runner modules (which import device code) are never imported in the API server.
+  server, the engine core and the workers alike); each acts only on a config asking for gsd,
+  but for the kernel scan's (config_patches.wrap_rebind_kernels);
+* scope "worker": lazily, when the first gsd worker is constructed in a process, so that model
+  runner modules (which import device code) are never imported in the API server, and a process
+  without a gsd worker gets none of them.
 
 In a vLLM other than the pinned one the plugin applies nothing (vllm_gsd/plugin.py), and `apply`
 refuses too (`check_vllm_version`). Every target is resolved before any patch is applied: a
@@ -52,13 +54,14 @@ class Patch:
     Exactly one of `wrap` and `mutate`:
     * wrap(original) -> replacement: the attribute at `target` is replaced;
     * mutate(obj): `obj` (the object at `target`) is changed in place (e.g. a schema rebuild).
+    Either is the function or its "module:name", imported when the patch is applied.
     """
 
     target: str
     why: str
     scope: Scope
-    wrap: Callable[[Any], Any] | None = None
-    mutate: Callable[[Any], None] | None = None
+    wrap: Callable[[Any], Any] | str | None = None
+    mutate: Callable[[Any], None] | str | None = None
 
     def __post_init__(self) -> None:
         if (self.wrap is None) == (self.mutate is None):
@@ -159,16 +162,25 @@ def apply(scope: Scope) -> list[str]:
     pending = [p for p in registered(scope) if p.target not in _APPLIED]
     for use in used(scope):
         resolve(use.target)
-    resolved = [(p, resolve(p.target)) for p in pending]  # all targets checked before any change
-    for patch, (owner, name, current) in resolved:
+    # All targets and implementations are found before any change.
+    resolved = [(p, resolve(p.target), implementation(p)) for p in pending]
+    for patch, (owner, name, current), change in resolved:
         if patch.wrap is not None:
-            replacement = patch.wrap(current)
-            setattr(owner, name, replacement)
+            setattr(owner, name, change(current))
         else:
-            patch.mutate(current)
+            change(current)
         _APPLIED.add(patch.target)
         logger.debug("vllm-gsd patched %s (%s)", patch.target, patch.why)
-    return [p.target for p, _ in resolved]
+    return [p.target for p, _, _ in resolved]
+
+
+def implementation(patch: Patch) -> Callable[[Any], Any]:
+    """The patch's wrap or mutate function, imported where it is given as "module:name"."""
+    change = patch.wrap if patch.wrap is not None else patch.mutate
+    if isinstance(change, str):
+        module_name, _, name = change.partition(":")
+        change = getattr(importlib.import_module(module_name), name)
+    return change
 
 
 def is_applied(target: str) -> bool:
