@@ -20,7 +20,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from vllm_gsd.testing.engines import gsd_config, make_llm
+from vllm_gsd.testing.engines import default_gsd_config, gsd_config, make_llm
 from vllm_gsd.testing.worker_probes import WORKER_PROBES, tree_counts_per_rank
 
 pytestmark = pytest.mark.engine
@@ -100,7 +100,11 @@ def target_outputs(engines, prompts):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_ray_executor_gsd_equals_target(target_outputs, ray_cluster, tiny_models, prompts, tp):
-    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"]), tensor_parallel_size=tp,
+    """tp 1 with trees on every step (the tests' free cost curves), tp 2 with GSD's default
+    knobs and CPU-like cost curves (the adaptive budget deciding on every rank)."""
+    speculative_config = (gsd_config(tiny_models["perturbed"]) if tp == 1
+                          else default_gsd_config(tiny_models["perturbed"]))
+    llm = make_llm(tiny_models["target"], speculative_config, tensor_parallel_size=tp,
                    distributed_executor_backend="ray", worker_extension_cls=WORKER_PROBES)
     try:
         assert _greedy(llm, prompts) == target_outputs

@@ -26,6 +26,7 @@ def _greedy(llm, prompts):
 
 
 def test_tp2_greedy_equals_tp1_and_target(engines, tokenizer):
+    """At GSD's default knobs (engine "gsd_tp2"; the adaptive budget decides on every rank)."""
     prompts = _prompts(tokenizer)
     tp2 = _greedy(engines.get("gsd_tp2"), prompts)
     assert tp2 == _greedy(engines.get("gsd"), prompts) == _greedy(engines.get("target"), prompts)
@@ -37,13 +38,15 @@ def test_tp2_greedy_equals_tp1_and_target(engines, tokenizer):
 
 
 @pytest.mark.timeout(300)
-def test_rank_that_builds_other_trees_stops_the_engine(tiny_models, tokenizer, monkeypatch, capfd):
+def test_rank_that_builds_other_trees_stops_the_engine(tiny_models, engines, tokenizer, monkeypatch, capfd):
     from vllm.v1.engine.exceptions import EngineDeadError
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per CPU worker
     llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"]), tensor_parallel_size=2,
                    worker_extension_cls=WORKER_PROBES)
     try:
+        # Trees on every step (the tests' free cost curves) at tp 2: the target's tokens.
+        assert _greedy(llm, _prompts(tokenizer)) == _greedy(engines.get("target"), _prompts(tokenizer))
         assert llm.collective_rpc("gsd_test_skew_trees", args=(1,)) == [False, True]
         capfd.readouterr()
         with pytest.raises(EngineDeadError):

@@ -6,7 +6,7 @@ import pytest
 import requests
 
 from vllm_gsd.testing import load
-from vllm_gsd.testing.engines import gsd_config
+from vllm_gsd.testing.engines import default_gsd_config, gsd_config
 from vllm_gsd.testing.server import scrape_metrics, serve, wait_drained
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
@@ -18,10 +18,14 @@ CHAT_TEMPLATE = (
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Stack:\n    def push(self, x):\n"]
 
 
-@pytest.fixture(scope="module")
-def gsd_server(tiny_models, tmp_path_factory):
+@pytest.fixture(scope="module", params=["free_trees", "default_knobs"])
+def gsd_server(request, tiny_models, tmp_path_factory):
+    """The server with trees on every step (the tests' free cost curves), then with GSD's
+    default knobs and CPU-like cost curves (the adaptive budget cuts trees under load)."""
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve(tiny_models["target"], gsd_config(tiny_models["perturbed"]), log_path,
+    speculative_config = (gsd_config(tiny_models["perturbed"]) if request.param == "free_trees"
+                          else default_gsd_config(tiny_models["perturbed"]))
+    with serve(tiny_models["target"], speculative_config, log_path,
                ["--chat-template", CHAT_TEMPLATE, *load.SERVER_ARGS]) as server:
         yield server.url, log_path
 
