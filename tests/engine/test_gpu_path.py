@@ -243,7 +243,7 @@ def test_full_cuda_graphs_are_refused(mode):
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_gsd.engine.patches import _keep_attention_out_of_cuda_graphs
+    from vllm_gsd.engine.config_patches import _keep_attention_out_of_cuda_graphs
 
     with pytest.raises(ValueError, match=f"cudagraph_mode={mode}"):
         _keep_attention_out_of_cuda_graphs(CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
@@ -252,7 +252,7 @@ def test_full_cuda_graphs_are_refused(mode):
 def test_unset_cuda_graph_mode_becomes_piecewise():
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_gsd.engine.patches import _keep_attention_out_of_cuda_graphs
+    from vllm_gsd.engine.config_patches import _keep_attention_out_of_cuda_graphs
 
     compilation = SimpleNamespace(cudagraph_mode=None)
     _keep_attention_out_of_cuda_graphs(compilation)
@@ -263,7 +263,7 @@ def test_unset_cuda_graph_mode_becomes_piecewise():
 
 
 def _features_config(**overrides):
-    model = SimpleNamespace(uses_mrope=False)
+    model = SimpleNamespace(uses_mrope=False, logits_processors=None)
     config = SimpleNamespace(
         model_config=model, speculative_config=SimpleNamespace(draft_model_config=model),
         cache_config=SimpleNamespace(cache_dtype="auto", kv_offloading_size=None), kv_transfer_config=None)
@@ -274,15 +274,16 @@ def _features_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides, named", [
-    ({"model_config": SimpleNamespace(uses_mrope=True)}, "target model's M-RoPE"),
+    ({"model_config": SimpleNamespace(uses_mrope=True, logits_processors=None)}, "target model's M-RoPE"),
     ({"speculative_config": SimpleNamespace(draft_model_config=SimpleNamespace(uses_mrope=True))},
      "draft model's M-RoPE"),
+    ({"model_config.logits_processors": ["my_package:MyProcessor"]}, "custom logits processors"),
     ({"cache_config.cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
     ({"kv_transfer_config": object()}, "KV connector"),
     ({"cache_config.kv_offloading_size": 4.0}, "KV offloading"),
 ])
 def test_engine_features_the_tree_path_lacks_are_refused_by_name(overrides, named):
-    from vllm_gsd.engine.patches import _refuse_unsupported_features
+    from vllm_gsd.engine.config_patches import _refuse_unsupported_features
 
     _refuse_unsupported_features(_features_config())  # the plain config passes
     with pytest.raises(ValueError, match=named):

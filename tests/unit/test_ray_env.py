@@ -80,3 +80,12 @@ def test_a_worker_whose_node_lacks_the_directory_keeps_serving(tmp_path):
     figures are kept."""
     assert "TREES 5" in _run_worker("elsewhere", str(tmp_path))
     assert _collected(str(tmp_path)) == 0
+
+
+def test_the_plugin_declares_the_ray_env_patch():
+    from vllm_gsd.plugin import register
+
+    register()
+    from vllm.v1.executor import ray_env_utils
+
+    assert "PROMETHEUS_MULTIPROC_DIR" in ray_env_utils._RAY_WORKER_PRE_IMPORT_ENV_VARS

@@ -15,12 +15,6 @@ from vllm_gsd.engine import config_patches as impl
 from vllm_gsd.engine import registry
 from vllm_gsd.engine.registry import Patch, Uses
 
-# tests/engine/test_gpu_path.py imports these two from here; its imports belong to config_patches.
-from vllm_gsd.engine.config_patches import (  # noqa: F401
-    _keep_attention_out_of_cuda_graphs,
-    _refuse_unsupported_features,
-)
-
 # ---------------------------------------------------------------------------------------------
 # Config layer (every process)
 # ---------------------------------------------------------------------------------------------
@@ -75,6 +69,15 @@ CONFIG_PATCHES = [
             "which the plugin's own config patches load",
         scope="config",
         wrap=impl.wrap_rebind_kernels,
+    ),
+    Patch(
+        target="vllm.v1.executor.ray_env_utils:_RAY_WORKER_PRE_IMPORT_ENV_VARS",
+        why="Ray workers get PROMETHEUS_MULTIPROC_DIR when Ray starts them, before they import "
+            "prometheus_client (which picks its multiprocess mode then): their vllm:gsd_* counters "
+            "reach /metrics. Acts only where the driver has the variable, which vLLM's Ray executor "
+            "hands its workers anyway, too late",
+        scope="config",
+        wrap="vllm_gsd.engine.ray_env:wrap_pre_import_env_vars",
     ),
 ]
 
@@ -219,6 +222,8 @@ USES: list[Uses] = [
     Uses("vllm.forward_context:set_forward_context", "draft forwards", "worker"),
     Uses("vllm.v1.spec_decode.ngram_proposer:_find_longest_matched_ngram_and_propose_tokens",
          "context-lookup nodes (engine/lookup.py)", "worker"),
+    Uses("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import",
+         "puts _RAY_WORKER_PRE_IMPORT_ENV_VARS into the Ray actors' runtime_env (engine/ray_env.py)", "config"),
 ]
 
 # Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the

@@ -79,6 +79,8 @@ def wrap_runner_init(original):
         spec = vllm_config.speculative_config
         if not is_gsd(spec):
             return original(self, vllm_config, device, *args, **kwargs)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
         from vllm_gsd.engine.proposer import GsdProposer
         from vllm_gsd.engine.scorer import GsdRejectionSampler, GsdSampler
 
@@ -89,7 +91,8 @@ def wrap_runner_init(original):
             original(self, vllm_config, device, *args, **kwargs)
         finally:
             spec.method = "gsd"
-        self.gsd = GsdRunnerState()
+        # Every tensor-parallel rank counts the same trees; one exports them to /metrics.
+        self.gsd = GsdRunnerState(metrics=GsdMetrics(exports=get_tensor_model_parallel_rank() == 0))
         if hasattr(self, "drafter"):  # the last pipeline rank
             _check_vllm_attributes(self)
             self.drafter = GsdProposer(vllm_config, self.device, self, self.gsd.tree_slot)
