@@ -31,17 +31,22 @@ def _token_tuples(outputs) -> list[tuple]:
     return [tuple(o.outputs[0].token_ids) for o in outputs]
 
 
-def _sample_outputs(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True, greedy_beside=0):
-    """The RequestOutputs of `_samples`."""
+def _sample_outputs(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True, greedy_beside=0, group=NUM_SAMPLES):
+    """The RequestOutputs of `_samples`, sampled `group` requests at a time (each group beside
+    the greedy ones)."""
     from vllm import SamplingParams
 
     ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    prompts = [{"prompt_token_ids": ids}] * NUM_SAMPLES
     params = [_params(seed_offset + i if seeded else None, temperature) for i in range(NUM_SAMPLES)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     others = [{"prompt_token_ids": tokenizer(f"x = {i}\n", add_special_tokens=False)["input_ids"]}
               for i in range(greedy_beside)]
-    return llm.generate(others + prompts, [greedy] * greedy_beside + params, use_tqdm=False)[greedy_beside:]
+    outputs = []
+    for start in range(0, NUM_SAMPLES, group):
+        batch = params[start:start + group]
+        outputs += llm.generate(others + [{"prompt_token_ids": ids}] * len(batch), [greedy] * greedy_beside + batch,
+                                use_tqdm=False)[greedy_beside:]
+    return outputs
 
 
 def _two_sample_p_value(a: list, b: list, min_count: int = 10) -> float:
@@ -79,8 +84,12 @@ def test_sampled_tokens_follow_the_target_distribution(engines, tokenizer, targe
                                                        seeded):
     """On "gsd" every request has a tree at every step; on "gsd_defaults" (GSD's default knobs,
     CPU-like cost curves) the adaptive budget cuts some requests of a batch to no tree, which
-    is where a draw could come to depend on its own noise (tests/unit/test_keyed_roots.py)."""
-    outputs = _sample_outputs(engines.get(gsd_engine), tokenizer, temperature, seeded=seeded, greedy_beside=6)
+    is where a draw could come to depend on its own noise (tests/unit/test_keyed_roots.py). At
+    64 requests a step that budget drafts no tree at all, so its twin samples 4 at a time
+    beside 2 greedy requests: there some requests of a step get trees and some none."""
+    group = NUM_SAMPLES if gsd_engine == "gsd" else 4
+    outputs = _sample_outputs(engines.get(gsd_engine), tokenizer, temperature, seeded=seeded,
+                              greedy_beside=6 if gsd_engine == "gsd" else 2, group=group)
     p = _smallest_p_value(target_samples[temperature], _token_tuples(outputs))
     assert p > 1e-3, f"smallest p = {p:.2e}"
     if gsd_engine == "gsd_defaults":
