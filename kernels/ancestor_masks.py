@@ -1,15 +1,15 @@
 """Ancestor bitmasks of verification trees, from parent arrays (docs/contracts.md).
 
-``ancestor_words_from_parents(parent_row [B, N] int64, num_nodes [B] int64) -> int32 [B, N+1, W]``
+``triton_ancestor_words_from_parents(parent_row [B, N] int64, num_nodes [B] int64) -> int32 [B, N+1, W]``
 with ``W = cdiv(N + 1, 32)``: bit ``c % 32`` of word ``c // 32`` of row ``r`` is set iff row
 ``c`` is ``r`` or an ancestor of ``r``. Row 0 (root) has only bit 0; rows past ``num_nodes[b]``
 have only their own bit. Node row ``i + 1`` has parent row ``parent_row[b, i]``.
 
-The plain-torch reference is ``vllm_gsd.graph.unroll.ancestor_words_from_parents`` (same name
-and signature; tests compare against it). This Triton version gives each program ``BLOCK_R``
-rows of one request; every row climbs its parent chain in lockstep with the others (one step
-per iteration, stopping when every row reached the root), OR-ing one bit per step into a
-``[BLOCK_R, WORDS_PAD]`` register tile. Cost ~ tree depth, not tree size.
+The plain-torch reference is ``vllm_gsd.graph.ancestor_words_from_parents`` (same signature;
+the engine uses it, and tests compare this kernel against it). This Triton version gives each
+program ``BLOCK_R`` rows of one request; every row climbs its parent chain in lockstep with the
+others (one step per iteration, stopping when every row reached the root), OR-ing one bit per
+step into a ``[BLOCK_R, WORDS_PAD]`` register tile. Cost ~ tree depth, not tree size.
 
 Compile-time parameters (bounded compilation while serving; see _triton_compat.py): the node
 budget ``N`` can change from batch to batch, so ``_launch_constants(N)`` (pure) buckets both
@@ -26,7 +26,7 @@ import torch
 
 from ._triton_compat import jit, next_pow2, require_triton, tl
 
-__all__ = ["ancestor_words_from_parents"]
+__all__ = ["triton_ancestor_words_from_parents"]
 
 
 def _launch_constants(n: int) -> dict:
@@ -73,9 +73,9 @@ def _ancestor_words_kernel(
     )
 
 
-def ancestor_words_from_parents(parent_row: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
+def triton_ancestor_words_from_parents(parent_row: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
     """Triton ancestor bitmasks; see module docstring. Returns int32 ``[B, N + 1, W]``."""
-    require_triton("ancestor_words_from_parents")
+    require_triton("triton_ancestor_words_from_parents")
     num_reqs, n = parent_row.shape
     num_words = (n + 1 + 31) // 32
     out = torch.empty((num_reqs, n + 1, num_words), dtype=torch.int32, device=parent_row.device)

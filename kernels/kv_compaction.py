@@ -8,9 +8,11 @@ which is already in place; ``a = num_accepted[b]``). For ``k = 1..a`` the KV of 
 Overlap safety: along a path rows strictly increase and ``accepted_rows[b, k] >= k``. A copy
 walking ``k`` ascending therefore never reads a position it has already overwritten (it writes
 ``tree_base + j`` for ``j < k`` and reads ``tree_base + accepted_rows[b, k] >= tree_base + k``).
-The Triton kernel gives each (request, slice of heads*dims) to one program that walks ``k``
-ascending; programs touch disjoint elements, so there is no race. The reference gathers every
-source first and then scatters.
+The Triton kernel (``compact_kv``, the GPU engine's) gives each (request, slice of heads*dims) to
+one program that walks ``k`` ascending; programs touch disjoint elements, so there is no race.
+The torch versions gather every source first and then scatter: ``compact_kv_cpu``, the CPU
+engine's, through the packing vLLM's CPU attention picked, and ``compact_kv_ref``, the Triton
+kernel's reference in tests, through the canonical views of any layout.
 
 ``kv_caches``: one tensor per layer, in a layout of paged_layout.py (``"gpu"``
 ``[2, nb, bs, Hkv, D]``, ``"gpu_bhnc"`` or ``"cpu"`` ``[nb, Hkv, bs, 2*D]``). Positions must
@@ -33,7 +35,7 @@ import torch
 from ._triton_compat import jit, next_pow2, require_triton, tl
 from .paged_layout import CpuPacking, cpu_token_views, split_kv_cache
 
-__all__ = ["compact_kv", "compact_kv_ref"]
+__all__ = ["compact_kv", "compact_kv_cpu", "compact_kv_ref"]
 
 
 def _moves(block_table, block_size, tree_base, accepted_rows, num_accepted):
@@ -50,6 +52,34 @@ def _moves(block_table, block_size, tree_base, accepted_rows, num_accepted):
     return bt[req, src // block_size], src % block_size, bt[req, dst // block_size], dst % block_size
 
 
+def compact_kv_cpu(
+    kv_caches: list[torch.Tensor],  # vLLM's CPU caches, [nb, Hkv, bs, 2 * D] each
+    block_table: torch.Tensor,  # int32 [B, max_blocks]
+    block_size: int,
+    tree_base: torch.Tensor,  # int32 [B]
+    accepted_rows: torch.Tensor,  # int64 [B, N + 1], -1 padded
+    num_accepted: torch.Tensor,  # int [B]
+    packing: CpuPacking | None,
+) -> None:
+    """The CPU engine's compaction, in place: gather all sources, then scatter (overlap-safe).
+
+    ``packing``: how the ISA packs a block (paged_layout.cpu_packing; None: the canonical
+    ``"cpu"`` layout)."""
+    sb, so, db, do = _moves(block_table, block_size, tree_base, accepted_rows, num_accepted)
+    if sb.numel() == 0:
+        return
+    if packing is None:
+        _move_canonical(kv_caches, "cpu", block_size, sb, so, db, do)
+        return
+    # Every layer moves the same tokens: their digits, once.
+    sources = {kind: (sb, *packing.token_digits(kind, so)) for kind in ("key", "value")}
+    targets = {kind: (db, *packing.token_digits(kind, do)) for kind in ("key", "value")}
+    for kv_cache in kv_caches:
+        assert kv_cache.shape[2] == block_size, f"cache block size {kv_cache.shape[2]} != {block_size}"
+        for kind, view in zip(("key", "value"), cpu_token_views(kv_cache, packing)):
+            view[targets[kind]] = view[sources[kind]]
+
+
 def compact_kv_ref(
     kv_caches: list[torch.Tensor],
     block_table: torch.Tensor,  # int32 [B, max_blocks]
@@ -58,28 +88,17 @@ def compact_kv_ref(
     accepted_rows: torch.Tensor,  # int64 [B, N + 1], -1 padded
     num_accepted: torch.Tensor,  # int [B]
     layout: str = "gpu",
-    packing: CpuPacking | None = None,
 ) -> None:
-    """Torch compaction, in place: gather all sources, then scatter (overlap-safe).
-
-    ``packing``: with ``layout="cpu"``, how the ISA packs a block (paged_layout.cpu_packing;
-    None: "vec")."""
+    """The Triton kernel's torch reference (tests), in place: gather all sources, then scatter."""
     sb, so, db, do = _moves(block_table, block_size, tree_base, accepted_rows, num_accepted)
-    if sb.numel() == 0:
-        return
-    if packing is not None:
-        if layout != "cpu":
-            raise ValueError(f"a CPU packing is for layout 'cpu', not {layout!r}")
-        # Every layer moves the same tokens: their digits, once.
-        sources = {kind: (sb, *packing.token_digits(kind, so)) for kind in ("key", "value")}
-        targets = {kind: (db, *packing.token_digits(kind, do)) for kind in ("key", "value")}
-        for kv_cache in kv_caches:
-            assert kv_cache.shape[2] == block_size, f"cache block size {kv_cache.shape[2]} != {block_size}"
-            for kind, view in zip(("key", "value"), cpu_token_views(kv_cache, packing)):
-                view[targets[kind]] = view[sources[kind]]
-        return
+    if sb.numel():
+        _move_canonical(kv_caches, layout, block_size, sb, so, db, do)
+
+
+def _move_canonical(kv_caches, layout, block_size, sb, so, db, do) -> None:
+    """Every layer's moves (the index vectors of `_moves`) through its canonical [nb, bs, Hkv, D] views."""
     for kv_cache in kv_caches:
-        for cache in split_kv_cache(kv_cache, layout):  # canonical [nb, bs, Hkv, D] views
+        for cache in split_kv_cache(kv_cache, layout):
             assert cache.shape[1] == block_size, f"cache block size {cache.shape[1]} != {block_size}"
             cache[db, do] = cache[sb, so]  # RHS is a gathered copy
 

@@ -1,6 +1,6 @@
 """Greedy tree walk for the whole batch in one launch.
 
-``walk_tree(draft_token_ids [B, N], parent_row [B, N], num_nodes [B], row_target_token [B, N+1])
+``triton_walk_tree(draft_token_ids [B, N], parent_row [B, N], num_nodes [B], row_target_token [B, N+1])
 -> (accepted_rows [B, N+1], output_token_ids [B, N+1], num_accepted [B])``, all int64.
 
 From the root (row 0): at row ``r`` the target's token is ``row_target_token[b, r]``; if a node
@@ -10,7 +10,7 @@ stops. ``accepted_rows`` = rows of the path starting with 0, ``output_token_ids`
 the accepted nodes then the final target token (vLLM's ``sampled_token_ids`` layout),
 ``num_accepted`` = number of accepted nodes ``a``; both row tensors are ``-1`` padded.
 
-The plain-torch reference is ``vllm_gsd.graph.acceptance.walk_tree`` (returns an
+The plain-torch reference is ``vllm_gsd.graph.walk_tree`` (the engine's walk; it returns an
 ``AcceptedPaths`` dataclass with the same three fields). Here one program walks one request,
 holding the request's node tokens and parents in registers (``BLOCK_N >= N``) and building the
 outputs in registers, written once at the end (no ordering hazards between threads).
@@ -29,7 +29,7 @@ import torch
 
 from ._triton_compat import jit, next_pow2, require_triton, tl
 
-__all__ = ["walk_tree"]
+__all__ = ["triton_walk_tree"]
 
 
 def _launch_constants(n: int) -> dict:
@@ -78,14 +78,14 @@ def _walk_tree_kernel(
     tl.store(NUM_ACC + b, k.to(tl.int64))
 
 
-def walk_tree(
+def triton_walk_tree(
     draft_token_ids: torch.Tensor,  # int64 [B, N]
     parent_row: torch.Tensor,  # int64 [B, N]
     num_nodes: torch.Tensor,  # int64 [B]
     row_target_token: torch.Tensor,  # int64 [B, N + 1]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton greedy tree walk; returns ``(accepted_rows, output_token_ids, num_accepted)``."""
-    require_triton("walk_tree")
+    require_triton("triton_walk_tree")
     num_reqs, n = draft_token_ids.shape
     dev = draft_token_ids.device
     accepted_rows = torch.empty((num_reqs, n + 1), dtype=torch.int64, device=dev)

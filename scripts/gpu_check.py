@@ -13,9 +13,9 @@ Correctness (exit status 1 if any fails):
     fp32 / bf16 / fp16, head dims 64/80/96/128, block sizes 16/128, GQA, split counts, a
     256-node tree, mixed causal + tree batches, and one 32k-token context;
   * graph_attention_ref vs a brute-force dense fp64 oracle (small case);
-  * ancestor_words_from_parents vs a python oracle and vllm_gsd.graph's torch reference;
+  * triton_ancestor_words_from_parents vs a python oracle and vllm_gsd.graph's torch reference;
   * compact_kv and compact_kv_ref vs a sequential python copy;
-  * walk_tree vs a python oracle and vllm_gsd.graph.acceptance.walk_tree.
+  * triton_walk_tree vs a python oracle and vllm_gsd.graph.acceptance.walk_tree.
 
 Benchmark (bf16, head dim 128, 32 query heads / 8 kv heads, block size 16; batch 1/16/64,
 N = 16/64 tree nodes, context 1k/8k; every request is a verification tree of N+1 rows):
@@ -229,11 +229,11 @@ def check_ancestors():
             trees = [TU.random_parents([n, 0, TU.randint(g, 1, n)][i % 3], g, ["random", "chain", "star"][i % 3])
                      for i in range(b)]
             parents, num_nodes = TU.pad_trees(trees, n)
-            out = K.ancestor_words_from_parents(parents.to(DEV), num_nodes.to(DEV)).cpu()
+            out = K.triton_ancestor_words_from_parents(parents.to(DEV), num_nodes.to(DEV)).cpu()
             torch.testing.assert_close(out, TU.ancestor_words_loop(parents, num_nodes), atol=0, rtol=0)
             if ref is not None:
                 torch.testing.assert_close(out, ref(parents.to(DEV), num_nodes.to(DEV)).cpu(), atol=0, rtol=0)
-        check(f"ancestor_words_from_parents N={n} B={b} (torch ref {'yes' if ref else 'MISSING'})", run)
+        check(f"triton_ancestor_words_from_parents N={n} B={b} (torch ref {'yes' if ref else 'MISSING'})", run)
 
 
 def check_compaction():
@@ -287,7 +287,7 @@ def check_walk():
             draft = torch.randint(0, 4, (b, n), generator=g)
             draft[parents < 0] = -1
             target = torch.randint(0, 4, (b, n + 1), generator=g)
-            rows, toks, acc = K.walk_tree(draft.to(DEV), parents.to(DEV), num_nodes.to(DEV), target.to(DEV))
+            rows, toks, acc = K.triton_walk_tree(draft.to(DEV), parents.to(DEV), num_nodes.to(DEV), target.to(DEV))
             # python oracle
             for i in range(b):
                 r, k, path, out = 0, 0, [0], []
@@ -308,7 +308,7 @@ def check_walk():
                 assert torch.equal(rows.cpu(), e.accepted_rows.cpu())
                 assert torch.equal(toks.cpu(), e.output_token_ids.cpu())
                 assert torch.equal(acc.cpu(), e.num_accepted.cpu().long())
-        check(f"walk_tree N={n} B={b} (torch ref {'yes' if ref else 'MISSING'})", run)
+        check(f"triton_walk_tree N={n} B={b} (torch ref {'yes' if ref else 'MISSING'})", run)
 
 
 # -------------------------------------------------------------------------------- benchmark
@@ -340,7 +340,7 @@ def bench_config(b, n, ctx, hq=32, hkv=8, d=128, bs=16, dtype=torch.bfloat16):
     kv = torch.randn((2, num_blocks, bs, hkv, d), dtype=dtype, device=DEV)
     trees = [TU.random_parents(n, g) for _ in range(b)]
     parents, num_nodes = TU.pad_trees(trees, n)
-    anc = K.ancestor_words_from_parents(parents.to(DEV), num_nodes.to(DEV))
+    anc = K.triton_ancestor_words_from_parents(parents.to(DEV), num_nodes.to(DEV))
     t = b * q_len
     query = torch.randn((t, hq, d), dtype=dtype, device=DEV)
     qsl = (torch.arange(b + 1, dtype=torch.int32) * q_len).to(DEV)

@@ -1,6 +1,6 @@
 """compact_kv (Triton) against compact_kv_ref and a sequential python oracle, over every
-layout (and every CPU packing), several layers, paths crossing block edges, nothing/everything
-accepted."""
+layout, and compact_kv_cpu (the CPU engine's) in every CPU packing; several layers, paths
+crossing block edges, nothing/everything accepted."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernel_testutils import gen, make_paged_kv, randint, random_parents
-from vllm_gsd.kernels import compact_kv, compact_kv_ref, split_kv_cache
+from vllm_gsd.kernels import compact_kv, compact_kv_cpu, compact_kv_ref, split_kv_cache
 from vllm_gsd.kernels.paged_layout import cpu_packing, cpu_token_views
 
 
@@ -88,7 +88,7 @@ def test_nothing_accepted_is_a_no_op():
 
 
 @pytest.mark.parametrize("isa,block_size,d", [("vec", 32, 64), ("vec16", 16, 80), ("amx", 32, 64), ("amx", 64, 128)])
-def test_reference_moves_tokens_in_every_cpu_packing(isa, block_size, d):
+def test_cpu_compaction_moves_tokens_in_every_cpu_packing(isa, block_size, d):
     """The CPU engine compacts through the packing vLLM's CPU attention picked: every accepted
     token (all its keys and values, every head) lands where that packing reads it, and nothing
     else changes. Checked on token views (test_kernel_paged_layout checks them against vLLM)."""
@@ -104,7 +104,7 @@ def test_reference_moves_tokens_in_every_cpu_packing(isa, block_size, d):
     packing = cpu_packing(isa, block_size, d)
     tree_base = torch.tensor(ctxs, dtype=torch.int32)
     moved = layer.clone()
-    compact_kv_ref([moved], paged.block_table, block_size, tree_base, rows, acc, layout="cpu", packing=packing)
+    compact_kv_cpu([moved], paged.block_table, block_size, tree_base, rows, acc, packing)
 
     expect = [view.clone() for view in cpu_token_views(layer, packing)]
     for kind, view in zip(("key", "value"), expect):

@@ -32,8 +32,8 @@ from kernel_testutils import (
 from vllm_gsd.graph import ancestor_words_from_parents as ancestor_words_torch
 from vllm_gsd.graph.acceptance import walk_tree as walk_tree_torch
 from vllm_gsd.kernels import (
-    ancestor_words_from_parents, compact_kv, compact_kv_ref, graph_attention, graph_attention_ref,
-    walk_tree,
+    compact_kv, compact_kv_ref, graph_attention, graph_attention_ref, triton_ancestor_words_from_parents,
+    triton_walk_tree,
 )
 
 GA = importlib.import_module("vllm_gsd.kernels.graph_attention")
@@ -296,9 +296,9 @@ def test_ancestor_and_walk_full_keys_bounded(monkeypatch):
         off = rng.randint(0, 3)
         parent_row = torch.zeros((b + off, n), dtype=torch.int64)[off:]
         num_nodes = torch.zeros(b + off, dtype=torch.int64)[off:]
-        ancestor_words_from_parents(parent_row, num_nodes)
+        triton_ancestor_words_from_parents(parent_row, num_nodes)
         target = torch.zeros((b + off, n + 1), dtype=torch.int64)[off:]
-        walk_tree(parent_row, parent_row, num_nodes, target)
+        triton_walk_tree(parent_row, parent_row, num_nodes, target)
     anc.check(_ancestor_bound(128))
     walk.check(5)
 
@@ -425,7 +425,7 @@ def test_ancestor_kernel_on_padded_tiles(n, poison_empty):
     g = gen(340 + n)
     trees = [random_parents(k, g, kind) for k, kind in ((n, "random"), (n, "chain"), (n // 2, "star"), (0, "random"))]
     parent_row, num_nodes = pad_trees(trees, n)
-    out = ancestor_words_from_parents(parent_row, num_nodes)
+    out = triton_ancestor_words_from_parents(parent_row, num_nodes)
     torch.testing.assert_close(out, ancestor_words_loop(parent_row, num_nodes), atol=0, rtol=0)
     torch.testing.assert_close(out, ancestor_words_torch(parent_row, num_nodes), atol=0, rtol=0)
 
@@ -438,7 +438,7 @@ def test_walk_tree_on_padded_blocks(n, poison_empty):
     parent_row, num_nodes = pad_trees(trees, n)
     draft = torch.randint(0, 3, (3, n), generator=g)
     target = torch.randint(0, 3, (3, n + 1), generator=g)
-    rows, toks, acc = walk_tree(draft, parent_row, num_nodes, target)
+    rows, toks, acc = triton_walk_tree(draft, parent_row, num_nodes, target)
     ref = walk_tree_torch(draft, parent_row, num_nodes, target)
     torch.testing.assert_close(rows, ref.accepted_rows, atol=0, rtol=0)
     torch.testing.assert_close(toks, ref.output_token_ids, atol=0, rtol=0)

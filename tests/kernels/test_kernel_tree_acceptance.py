@@ -1,4 +1,4 @@
-"""walk_tree (Triton, one launch per batch) against vllm_gsd.graph.acceptance.walk_tree and a
+"""triton_walk_tree (one launch per batch) against vllm_gsd.graph.acceptance.walk_tree and a
 python oracle, on random trees whose target tokens follow the tree with high probability."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from kernel_testutils import gen, pad_trees, randint, random_parents
 from vllm_gsd.graph.acceptance import walk_tree as torch_ref
-from vllm_gsd.kernels import walk_tree
+from vllm_gsd.kernels import triton_walk_tree
 
 
 def _walk_loop(draft, parents, num_nodes, target):
@@ -58,7 +58,7 @@ CASES = [(1, 1, 3), (2, 7, 5), (3, 16, 9), (4, 33, 4), (5, 64, 6), (6, 256, 4)]
 @pytest.mark.parametrize("seed,n_budget,batch", CASES)
 def test_triton_matches_python_oracle(seed, n_budget, batch, poison_empty):
     draft, parents, num_nodes, target = _batch(seed, n_budget, batch)
-    rows, toks, acc = walk_tree(draft, parents, num_nodes, target)
+    rows, toks, acc = triton_walk_tree(draft, parents, num_nodes, target)
     e_rows, e_toks, e_acc = _walk_loop(draft, parents, num_nodes, target)
     torch.testing.assert_close(rows, e_rows, atol=0, rtol=0)
     torch.testing.assert_close(toks, e_toks, atol=0, rtol=0)
@@ -68,7 +68,7 @@ def test_triton_matches_python_oracle(seed, n_budget, batch, poison_empty):
 @pytest.mark.parametrize("seed,n_budget,batch", CASES)
 def test_triton_matches_torch_reference(seed, n_budget, batch, poison_empty):
     draft, parents, num_nodes, target = _batch(seed + 50, n_budget, batch)
-    rows, toks, acc = walk_tree(draft, parents, num_nodes, target)
+    rows, toks, acc = triton_walk_tree(draft, parents, num_nodes, target)
     ref = torch_ref(draft, parents, num_nodes, target)
     torch.testing.assert_close(rows, ref.accepted_rows, atol=0, rtol=0)
     torch.testing.assert_close(toks, ref.output_token_ids, atol=0, rtol=0)
@@ -80,7 +80,7 @@ def test_full_chain_accepted(poison_empty):
     draft = torch.arange(10, 10 + n)[None]
     parents, num_nodes = pad_trees([random_parents(n, gen(0), "chain")], n)
     target = torch.cat([draft, torch.tensor([[7]])], dim=1)  # row r's target = token of row r+1
-    rows, toks, acc = walk_tree(draft, parents, num_nodes, target)
+    rows, toks, acc = triton_walk_tree(draft, parents, num_nodes, target)
     assert int(acc[0]) == n
     assert rows[0].tolist() == list(range(n + 1))
     assert toks[0].tolist() == list(range(10, 10 + n)) + [7]

@@ -454,7 +454,7 @@ def _target_kv_caches(runner) -> tuple[list[torch.Tensor], CpuPacking | None]:
 
 def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
     """Move each request's accepted nodes' KV to consecutive positions after its root."""
-    from vllm_gsd.kernels.kv_compaction import compact_kv, compact_kv_ref
+    from vllm_gsd.kernels.kv_compaction import compact_kv, compact_kv_cpu
 
     num_accepted = accepted.num_accepted
     if int(num_accepted.max()) == 0:
@@ -464,8 +464,8 @@ def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
     tree_base = torch.from_numpy(tree.tree_base.astype(np.int32)).to(table.device)
     on_cpu = table.device.type == "cpu"
     if on_cpu:
-        compact_kv_ref(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
-                       accepted.accepted_rows, num_accepted, layout="cpu", packing=runner.gsd.target_cache_packing)
+        compact_kv_cpu(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
+                       accepted.accepted_rows, num_accepted, runner.gsd.target_cache_packing)
     else:
         compact_kv(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
                    accepted.accepted_rows, num_accepted, layout="gpu_bhnc")
