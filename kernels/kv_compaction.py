@@ -80,16 +80,10 @@ def compact_kv_cpu(
             view[targets[kind]] = view[sources[kind]]
 
 
-def compact_kv_ref(
-    kv_caches: list[torch.Tensor],
-    block_table: torch.Tensor,  # int32 [B, max_blocks]
-    block_size: int,
-    tree_base: torch.Tensor,  # int32 [B]
-    accepted_rows: torch.Tensor,  # int64 [B, N + 1], -1 padded
-    num_accepted: torch.Tensor,  # int [B]
-    layout: str = "gpu",
-) -> None:
-    """The Triton kernel's torch reference (tests), in place: gather all sources, then scatter."""
+def compact_kv_ref(kv_caches: list[torch.Tensor], block_table: torch.Tensor, block_size: int, tree_base: torch.Tensor,
+                   accepted_rows: torch.Tensor, num_accepted: torch.Tensor, layout: str = "gpu") -> None:
+    """The Triton kernel's torch reference (tests), in place, with compact_kv's arguments: gather
+    all sources, then scatter."""
     sb, so, db, do = _moves(block_table, block_size, tree_base, accepted_rows, num_accepted)
     if sb.numel():
         _move_canonical(kv_caches, layout, block_size, sb, so, db, do)
