@@ -12,6 +12,7 @@ pytestmark = pytest.mark.engine
 PROMPT = "def parse(text):\n    "
 NUM_SAMPLES = 700
 NUM_TOKENS = 3
+MIN_P = 0.5
 
 
 def _params(seed, temperature=1.0, max_tokens=NUM_TOKENS, **kw):
@@ -21,23 +22,24 @@ def _params(seed, temperature=1.0, max_tokens=NUM_TOKENS, **kw):
                           max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def _samples(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True, greedy_beside=0):
+def _samples(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True, greedy_beside=0, **options):
     """NUM_SAMPLES samples of PROMPT (seeded or not), with `greedy_beside` greedy requests of
     other prompts in the same batches."""
-    return _token_tuples(_sample_outputs(llm, tokenizer, temperature, seed_offset, seeded, greedy_beside))
+    return _token_tuples(_sample_outputs(llm, tokenizer, temperature, seed_offset, seeded, greedy_beside, **options))
 
 
 def _token_tuples(outputs) -> list[tuple]:
     return [tuple(o.outputs[0].token_ids) for o in outputs]
 
 
-def _sample_outputs(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True, greedy_beside=0, group=NUM_SAMPLES):
+def _sample_outputs(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True, greedy_beside=0, group=NUM_SAMPLES,
+                    **options):
     """The RequestOutputs of `_samples`, sampled `group` requests at a time (each group beside
-    the greedy ones)."""
+    the greedy ones), with sampling `options` beside the temperature, top-k and top-p."""
     from vllm import SamplingParams
 
     ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
-    params = [_params(seed_offset + i if seeded else None, temperature) for i in range(NUM_SAMPLES)]
+    params = [_params(seed_offset + i if seeded else None, temperature, **options) for i in range(NUM_SAMPLES)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     others = [{"prompt_token_ids": tokenizer(f"x = {i}\n", add_special_tokens=False)["input_ids"]}
               for i in range(greedy_beside)]
@@ -96,6 +98,24 @@ def test_sampled_tokens_follow_the_target_distribution(engines, tokenizer, targe
         verify_steps = [sum(o.outputs[0].spec_decode_metrics.histogram) if o.outputs[0].spec_decode_metrics else 0
                         for o in outputs]
         assert 0 < sum(n > 0 for n in verify_steps) < len(verify_steps), "the budget cut no tree: the twin tests nothing"
+
+
+@pytest.mark.parametrize("gsd_engine", ["gsd", "gsd_defaults"])
+def test_min_p_samples_follow_the_target_with_min_p(engines, tokenizer, gsd_engine):
+    """min_p (vLLM applies it after the temperature) on tree rows: the samples follow the target
+    alone with min_p, whose own samples differ from those without it (the option is visible), and
+    with trees on every step the min_p requests were verified as trees."""
+    from vllm_gsd.testing.engines import acceptance_of
+
+    group, beside = (NUM_SAMPLES, 6) if gsd_engine == "gsd" else (4, 2)
+    want = _samples(engines.get("target"), tokenizer, 1.0, seed_offset=30_000, min_p=MIN_P)
+    outputs = _sample_outputs(engines.get(gsd_engine), tokenizer, 1.0, greedy_beside=beside, group=group, min_p=MIN_P)
+    p = _smallest_p_value(want, _token_tuples(outputs))
+    assert p > 1e-3, f"smallest p = {p:.2e}"
+    without = _samples(engines.get("target"), tokenizer, 1.0, seed_offset=40_000)
+    assert _smallest_p_value(want, without) < 1e-4, "min_p does not change these samples: the test cannot fail"
+    if gsd_engine == "gsd":
+        assert acceptance_of(outputs)[0] > 0
 
 
 def test_the_distribution_test_has_power(engines, tokenizer, target_samples):

@@ -41,6 +41,7 @@ from vllm_gsd.engine.cost_calibration import synchronize
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.graph_attention_backend import install_tree_slot
 from vllm_gsd.engine.metrics import GsdMetrics
+from vllm_gsd.engine.node_processing import RequestOptions, options_of
 from vllm_gsd.engine.sampling import is_sampled, noise_key
 from vllm_gsd.engine.tree_batch import (
     TreeAttention,
@@ -367,6 +368,7 @@ def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
         num_nodes = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
         keyed.rows.append(i)
         keyed.keys.append(noise_key(req_id, params, runner.vllm_config.model_config.seed))
+        keyed.min_p.append(params.min_p)
         keyed.positions.append(int(batch.num_computed_tokens_cpu[i]) + int(num_scheduled_tokens[i]) - num_nodes)
     return keyed
 
@@ -386,6 +388,7 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
     via_merge = torch.zeros(parent_row.shape, dtype=torch.bool)
     tree_base = np.zeros(num_reqs, dtype=np.int64)
     keys: list[int | None] = [None] * num_reqs
+    options: list[RequestOptions | None] = [None] * num_reqs
     rotated_rows, rotated_positions = [], []
     for req_id, draft_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
         num_nodes = len(draft_tokens)
@@ -403,14 +406,16 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
         first = int(query_start_loc[i]) + root_offset
         rotated_rows.append(np.arange(first + 1, first + 1 + num_nodes))
         rotated_positions.append(tree_base[i] + depth[i, :num_nodes].numpy())
-        params = runner.requests[req_id].sampling_params
+        state = runner.requests[req_id]
+        params = state.sampling_params
         if is_sampled(params):
             keys[i] = noise_key(req_id, params, runner.vllm_config.model_config.seed)
+        options[i] = options_of(params, state.prompt_token_ids, state.output_token_ids)
     if rotated_rows:  # one copy for the whole batch
         rows = torch.from_numpy(np.concatenate(rotated_rows)).to(runner.positions.device)
         runner.positions[rows] = torch.from_numpy(np.concatenate(rotated_positions)).to(runner.positions.device)
     return build_tree_batch(parent_row, depth, torch.tensor(num_draft, dtype=torch.int64), tree_base,
-                            via_merge, keys, query_start_loc, runner.device)
+                            via_merge, keys, query_start_loc, runner.device, options)
 
 
 def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:

@@ -45,8 +45,11 @@ def noise_key(req_id: str, params, engine_seed: int | None) -> int:
 
 
 def processed_scores(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-                     top_p: torch.Tensor | None) -> torch.Tensor:
-    """float32 [R, V]: logits / temperature, then vLLM's top-k / top-p (-inf outside), as vLLM
-    processes a sampled row. A copy: `logits` is left as it is."""
+                     top_p: torch.Tensor | None, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [R, V]: logits / temperature, then min_p, then vLLM's top-k / top-p (-inf
+    outside), as vLLM's Sampler processes a sampled row. A copy: `logits` is left as it is."""
     scores = logits.to(torch.float32, copy=True).div_(temperature.to(torch.float32).unsqueeze(-1))
+    if min_p is not None:  # vLLM's min_p: tokens below min_p x the most likely one's probability
+        probs = scores.softmax(dim=-1)
+        scores.masked_fill_(probs < probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(-1), float("-inf"))
     return apply_top_k_top_p(scores, top_k, top_p)

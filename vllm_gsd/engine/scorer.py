@@ -25,7 +25,7 @@ the accepted nodes' KV to consecutive positions (engine/runner_hooks.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
 
+from vllm_gsd.engine.node_processing import RequestOptions, min_p_of_rows, process_rows, row_paths
 from vllm_gsd.engine.sampling import SAMPLING_EPS, processed_scores
 from vllm_gsd.engine.tree_batch import TreeSpecDecodeMetadata, chain_trees
 from vllm_gsd.graph import AcceptedPaths, walk_tree
@@ -46,6 +47,7 @@ class KeyedRoots:
     rows: list[int]  # batch index of each sampled request the tree path serves
     keys: list[int]  # its noise key (engine/sampling.py)
     positions: list[int]  # absolute position of the token each row samples
+    min_p: list[float] = field(default_factory=list)  # each row's min_p (vLLM applies it in `sample`)
 
 
 class GsdSampler(Sampler):
@@ -73,8 +75,11 @@ class GsdSampler(Sampler):
         rows = torch.tensor(keyed.rows, dtype=torch.int64, device=logits.device)
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
         # Before vLLM's sampler, which processes the logits in place.
+        min_p = (torch.tensor(keyed.min_p, dtype=torch.float32, device=logits.device)
+                 if any(keyed.min_p) else None)
         scores = processed_scores(logits[rows], sampling_metadata.temperature[rows],
-                                  None if top_k is None else top_k[rows], None if top_p is None else top_p[rows])
+                                  None if top_k is None else top_k[rows], None if top_p is None else top_p[rows],
+                                  min_p)
         sampled, processed_logprobs = super().sample(logits, sampling_metadata, logprobs_mode_override)
         noise = gumbel_noise(np.asarray(keyed.keys), np.asarray(keyed.positions), logits.shape[-1], logits.device)
         sampled[rows] = gumbel_argmax(scores, noise).to(sampled.dtype)
@@ -98,6 +103,29 @@ def rows_per_chunk(vocab_size: int) -> int:
     return max(1, MAX_CHUNK_BYTES // (4 * vocab_size))
 
 
+class _PathsOfRows:
+    """The options of each request of the step and, for requests that have some, the tokens of
+    each tree row's path below the root (engine/node_processing.py), computed once a step."""
+
+    def __init__(self, tree, parent_row: torch.Tensor, draft_token_ids: torch.Tensor):
+        self._tree, self._parent_row, self._draft_token_ids = tree, parent_row, draft_token_ids
+        self._paths: dict[int, list[list[int]]] = {}
+
+    def options(self, requests: torch.Tensor) -> list[RequestOptions | None]:
+        if self._tree is None or not any(o is not None for o in self._tree.options):
+            return [None] * requests.numel()
+        return [self._tree.options_of(b) for b in requests.tolist()]
+
+    def of(self, requests: torch.Tensor, local_rows: torch.Tensor) -> list[list[int]]:
+        return [self._paths_of(b)[row] for b, row in zip(requests.tolist(), local_rows.tolist())]
+
+    def _paths_of(self, b: int) -> list[list[int]]:
+        if b not in self._paths:
+            n = int((self._parent_row[b] >= 0).sum())
+            self._paths[b] = row_paths(self._parent_row[b, :n].tolist(), self._draft_token_ids[b, :n].tolist())
+        return self._paths[b]
+
+
 class GsdRejectionSampler(RejectionSampler):
     """Scores the step's trees; nothing else (the runner hook compacts the KV cache).
 
@@ -115,11 +143,13 @@ class GsdRejectionSampler(RejectionSampler):
         row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
         device = logits.device
 
-        # Row 0 of every request: vLLM's sampler, exactly as without speculation.
+        # Row 0 of every request: vLLM's sampler, exactly as without speculation. Its history is
+        # the committed output: vLLM would append the step's draft tokens for penalties and bad
+        # words (its bonus row comes after a chain), which the root precedes.
         root_output = self.sampler(
             logits=logits[row_start.to(device)],
             sampling_metadata=replace(sampling_metadata, max_num_logprobs=None,
-                                      logprob_token_ids=None),
+                                      logprob_token_ids=None, spec_token_ids=None),
         )
         row_target = torch.full((batch_size, max_nodes + 1), -1, dtype=torch.int64, device=device)
         row_target[:, 0] = root_output.sampled_token_ids[:, 0].long()
@@ -167,18 +197,23 @@ class GsdRejectionSampler(RejectionSampler):
         greedy_rows = torch.nonzero((counts > 0)[request_of_row] & ~sampled[request_of_row]
                                     & (local_row > 0)).squeeze(1)
         chunk = rows_per_chunk(logits.shape[-1])
+        paths = _PathsOfRows(tree, parent_row, draft_token_ids)
         for lo in range(0, greedy_rows.numel(), chunk):
             rows = greedy_rows[lo:lo + chunk]
-            tokens = logits[rows.to(device)].argmax(dim=-1)  # vLLM's greedy pick, no fp32 copy
-            row_target[request_of_row[rows].to(device), local_row[rows].to(device)] = tokens
+            requests, local = request_of_row[rows], local_row[rows]
+            row_logits = logits[rows.to(device)]  # vLLM's greedy pick, no fp32 copy without options
+            options = paths.options(requests)
+            if any(o is not None for o in options):
+                row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, local))
+            row_target[requests.to(device), local.to(device)] = row_logits.argmax(dim=-1)
         walkers = torch.nonzero((counts > 0) & sampled).squeeze(1)
         if walkers.numel():
             self._walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids,
-                               tree, sampling_metadata)
+                               tree, sampling_metadata, paths)
 
     @staticmethod
     def _walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
-                      sampling_metadata) -> None:
+                      sampling_metadata, paths: _PathsOfRows) -> None:
         """Walk the trees of sampled requests, one level per iteration (batched over requests):
         draw the current row's token with its noise, move to the child carrying it."""
         device = logits.device
@@ -199,8 +234,12 @@ class GsdRejectionSampler(RejectionSampler):
             rows = row_start[requests] + current[index]
             row_depth = torch.where(current[index] > 0, depth[requests, (current[index] - 1).clamp(min=0)], 0)
             req = requests.to(device)
-            scores = processed_scores(logits[rows.to(device)], temperature[req],
-                                      None if top_k is None else top_k[req], None if top_p is None else top_p[req])
+            row_logits = logits[rows.to(device)]
+            options = paths.options(requests)
+            if any(o is not None for o in options):
+                row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, current[index]))
+            scores = processed_scores(row_logits, temperature[req], None if top_k is None else top_k[req],
+                                      None if top_p is None else top_p[req], min_p_of_rows(options, device))
             noise = gumbel_noise(keys[index.numpy()], tree_base[index.numpy()] + row_depth.numpy() + 1, vocab, device)
             tokens = gumbel_argmax(scores, noise).cpu()
             row_target[req, current[index].to(device)] = tokens.to(device)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+from vllm_gsd.engine.node_processing import RequestOptions
 from vllm_gsd.graph import ancestor_words_from_parents
 
 
@@ -92,7 +93,9 @@ class TreeBatch:
     num_nodes: int64 [B]; tree_base: int64 [B], KV position of the root (row 0);
     via_merge: bool [B, Nmax], node copied from a merged graph node (metrics only);
     noise_key: per request the key of its sampling noise (engine/sampling.py), None if greedy;
-    attention: the same trees as the attention layers see them.
+    attention: the same trees as the attention layers see them;
+    options: per request what vLLM's sampler applies to its rows besides temperature, top-k and
+        top-p (engine/node_processing.py), None if nothing.
     """
 
     parent_row: torch.Tensor
@@ -102,6 +105,10 @@ class TreeBatch:
     via_merge: torch.Tensor
     noise_key: list[int | None]
     attention: TreeAttention
+    options: list[RequestOptions | None] = field(default_factory=list)
+
+    def options_of(self, b: int) -> RequestOptions | None:
+        return self.options[b] if b < len(self.options) else None
 
 
 @dataclass
@@ -142,7 +149,8 @@ def is_chain(parent_row: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
 
 def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
                      tree_base: np.ndarray, via_merge: torch.Tensor, noise_key: list[int | None],
-                     query_start_loc: np.ndarray, device: torch.device) -> TreeBatch:
+                     query_start_loc: np.ndarray, device: torch.device,
+                     options: list[RequestOptions | None] | None = None) -> TreeBatch:
     """The step's TreeBatch from per-row trees (see TreeBatch) and the forward's
     query_start_loc (int [B + 1], host): a request's tree rows are its last n + 1 tokens."""
     num_nodes_np = num_nodes.numpy()
@@ -157,7 +165,7 @@ def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: t
     words = ancestor_words_from_parents(parent_row[index], num_nodes[index])
     attention = TreeAttention.build(request_index, query_start, query_len, tree_base[request_index],
                                     words, query_tree_row, device)
-    return TreeBatch(parent_row, depth, num_nodes, tree_base, via_merge, noise_key, attention)
+    return TreeBatch(parent_row, depth, num_nodes, tree_base, via_merge, noise_key, attention, options or [])
 
 
 class TreeSlot:
