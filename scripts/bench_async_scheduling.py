@@ -7,22 +7,21 @@ engine core's scheduling and output processing between forwards. Two no-speculat
 turns, twice in alternating order; the ratio is what running without it costs a plain step here
 (docs/bench/async-scheduling.md: other measurements disagree; this VM swings by as much).
 
-    .venv/bin/python scripts/bench_async_scheduling.py
+    .venv/bin/python -m scripts.bench_async_scheduling
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench.py: the prompts
 
 
 def main():
-    from bench import prompt_token_ids, resolve_pair, start_engine
     from vllm import SamplingParams
+
+    from scripts.bench import prompt_token_ids, resolve_pair, start_engine
 
     pair = resolve_pair("qwen", 32, 40)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids(pair, 48)]

@@ -3,11 +3,14 @@
 
 GSD (the code on the import path) and vLLM's draft_model chain on the same pair and prompts,
 HumanEval and MT-Bench reported separately, one request at a time. Rows accumulate in
-<out>/results.json under a label, so that another version of GSD (e.g. a checkout of an older
-commit put first on PYTHONPATH) can be measured into the same table:
+<out>/results.json under a label, so that another version of GSD (e.g. an older commit's vllm_gsd
+put first on PYTHONPATH) can be measured into the same table:
 
-    .venv/bin/python scripts/bench_sampling.py --pair qwen --label "gsd (coupled Gumbel)"
-    PYTHONPATH=/tmp/old .venv/bin/python scripts/bench_sampling.py --configs gsd --label "gsd (before)"
+    .venv/bin/python -m scripts.bench_sampling --pair qwen --label "gsd (coupled Gumbel)"
+    mkdir /tmp/old && git archive OLD_COMMIT vllm_gsd | tar -x -C /tmp/old
+    PYTHONPATH=/tmp/old:. .venv/bin/python -P -m scripts.bench_sampling --configs gsd --label "gsd (before)"
+
+(-P: the checkout's own vllm_gsd, which `python -m` would put first, does not hide the old one.)
 
 GSD runs with trees on every step (adaptive off, the benchmark's fixed budget) so that the
 acceptance of the drafting scheme is what is measured. Writes <out>/results.md.
@@ -42,10 +45,12 @@ def configurations(draft: str) -> dict[str, dict]:
 
 
 def prompt_sets(pair_name: str, target: str, num_prompts: int) -> dict[str, list[str]]:
-    from vllm_gsd.testing import prompts
-
     if pair_name == "tiny":
-        return {"tiny": prompts.tiny_prompts(num_prompts)}
+        from vllm_gsd.testing.prompts import tiny_prompts
+
+        return {"tiny": tiny_prompts(num_prompts)}
+    from scripts.tools import prompt_sets as prompts
+
     return {"HumanEval": prompts.as_chat(target, prompts.humaneval_prompts(num_prompts)),
             "MT-Bench": prompts.as_chat(target, prompts.mtbench_prompts(num_prompts))}
 
@@ -80,7 +85,7 @@ def run(target: str, dtype: str, spec: dict, sets: dict[str, list[str]], max_tok
 def render(out_dir: Path, saved: dict) -> None:
     meta = saved["meta"]
     lines = [f"# Sampling: mean acceptance length and tokens/s by temperature ({meta['pair']} pair)", "",
-             f"`scripts/bench_sampling.py` runs, one request at a time, {meta['num_prompts']} prompts per set x "
+             f"`python -m scripts.bench_sampling` runs, one request at a time, {meta['num_prompts']} prompts per set x "
              f"{meta['max_tokens']} new tokens, top-p 0.95 when sampling, {meta['dtype']}, "
              f"{meta['mode']}; GSD with a fixed budget (12 nodes, top-k 3, depth 4, trees on every step), "
              "vLLM's draft_model chain with K = 4. Each label is a version of the code, measured on the date "
@@ -103,8 +108,7 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
     parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "sampling"))
     args = parser.parse_args()
-    sys.path.insert(0, str(REPO / "scripts"))
-    from bench import resolve_pair
+    from scripts.bench import resolve_pair
 
     pair = resolve_pair(args.pair, args.num_prompts)
     sets = prompt_sets(args.pair, pair.target, args.num_prompts)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Build (or find in the cache) every tiny test model and report how well each draft agrees.
 
-    scripts/build_tiny_models.py [--max-new-tokens 48] [--no-agreement]
+    .venv/bin/python -m scripts.build_tiny_models [--max-new-tokens 48] [--no-agreement]
 
 Prints one line per model: name, directory, build seconds (0.0 when cached) and, for drafts,
 the greedy agreement with the target (HF transformers, the fixed tiny prompts, teacher forcing
@@ -14,8 +14,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vllm_gsd.testing import tiny_models
 from vllm_gsd.testing.prompts import tiny_prompts

@@ -13,8 +13,10 @@ Prints GSD's text, then per method tokens/s and mean acceptance length, what GSD
 plain and a speculative decode step to cost on this machine, and one verdict per method from its
 measured ratio to no speculation.
 
-    .venv/bin/python scripts/demo.py [--pair qwen|smollm] [--max-tokens 64] [--num-prompts 3]
+    .venv/bin/python -m scripts.demo [--pair qwen|smollm] [--max-tokens 64] [--num-prompts 3]
                                      [--eager] [--bf16-draft] [--verbose]
+
+(from the repository root: the demo imports the scripts package, which is not in the wheel).
 """
 
 from __future__ import annotations
@@ -218,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_environment(args.verbose)
     started = time.perf_counter()
 
-    from vllm_gsd.testing.prompts import as_chat, humaneval_prompts, mtbench_prompts
-    from vllm_gsd.testing.real_models import int8_draft, prepare_pair
+    from scripts.tools.prompt_sets import as_chat, humaneval_prompts, mtbench_prompts
+    from scripts.tools.real_models import int8_draft, prepare_pair
 
     pair = prepare_pair(args.pair, progress=True)
     # The smollm pair's self-draft shares the target's layers; it stays as prepared.
@@ -263,4 +265,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run as a file: `scripts` is not importable from scripts/
+        sys.exit("run the demo from the repository root as a module: .venv/bin/python -m scripts.demo")
     sys.exit(main())

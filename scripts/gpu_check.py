@@ -2,11 +2,16 @@
 """GPU check of the vllm-gsd Triton kernels: correctness against the torch references, then a
 timing table for graph-masked attention.
 
-Runs on a CUDA machine with torch + triton and WITHOUT vLLM (nothing imported here needs it):
+Runs on a CUDA machine with torch + triton and WITHOUT vLLM (nothing imported here needs it),
+from the repository root, as a module (no install of vllm-gsd needed: `python -m` puts the root on
+sys.path, and kernels/ is loaded as vllm_gsd.kernels when the package is not installed):
 
-    python scripts/gpu_check.py --out gpu_check.md          # full check + benchmark
-    python scripts/gpu_check.py --no-bench                  # correctness only
-    TRITON_INTERPRET=1 python scripts/gpu_check.py --cpu-smoke   # tiny shapes, CPU interpreter
+    python -m scripts.gpu_check --out gpu_check.md          # full check + benchmark
+    python -m scripts.gpu_check --no-bench                  # correctness only
+    TRITON_INTERPRET=1 python -m scripts.gpu_check --cpu-smoke   # tiny shapes, CPU interpreter
+
+Random inputs and loop oracles come from scripts/tools/kernel_testutils.py (shared with
+tests/kernels).
 
 Correctness (exit status 1 if any fails):
   * graph_attention (Triton) vs graph_attention_ref over layouts gpu / gpu_bhnc (strided) / cpu,
@@ -41,6 +46,9 @@ import time
 import traceback
 from pathlib import Path
 
+if not __package__:  # run as a file: the scripts package is not importable from scripts/
+    sys.exit("run from the repository root as a module: python -m scripts.gpu_check [options]")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -67,8 +75,8 @@ import torch.nn.functional as F  # noqa: E402
 
 def _load_kernels():
     """vllm_gsd.kernels if installed, else the repo's kernels/ loaded under that name (the
-    package maps kernels/ -> vllm_gsd.kernels; vllm_gsd/__init__.py is light and vLLM-free)."""
-    sys.path.insert(0, str(ROOT))
+    package maps kernels/ -> vllm_gsd.kernels; vllm_gsd/__init__.py is light and vLLM-free, and
+    imports from the repository root, which `python -m` put on sys.path)."""
     try:
         import vllm_gsd.kernels as k  # noqa: PLC0415
 
@@ -86,15 +94,8 @@ def _load_kernels():
     return mod
 
 
-def _load_testutils():
-    sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-    import kernel_testutils  # noqa: PLC0415
-
-    return kernel_testutils
-
-
 K = _load_kernels()
-TU = _load_testutils()
+from scripts.tools import kernel_testutils as TU  # noqa: E402 - imports vllm_gsd.kernels, loaded above
 
 if ARGS.cpu_smoke:
     DEV = torch.device("cpu")

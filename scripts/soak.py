@@ -2,7 +2,7 @@
 """Soak: thousands of mixed requests at high concurrency against the real GSD server (tiny models).
 
 The same request mix and checks as the CI load test (tests/engine/test_serve.py, through
-vllm_gsd/testing/load.py), run long: prompt lengths up to the context limit, max_tokens 1..32,
+scripts/tools/load.py), run long: prompt lengths up to the context limit, max_tokens 1..32,
 streaming and not, greedy and seeded sampling, clients hanging up mid-stream, optionally a KV
 cache small enough to force preemptions. Meanwhile the RSS of the server's process tree (API
 server, engine core, worker) is sampled, and its growth per 1000 requests after a warm-up is fitted.
@@ -10,9 +10,9 @@ The server runs with jemalloc preloaded (--allocator glibc for glibc's malloc, u
 worker's RSS climbs for ~12000 requests before levelling off); --speculation none runs the same
 load on the target alone, the baseline for the memory curve.
 
-    .venv/bin/python scripts/soak.py                          # 4000 requests, 256 in flight
-    .venv/bin/python scripts/soak.py --requests 500 --out /tmp/soak
-    .venv/bin/python scripts/soak.py --speculation none --allocator glibc --out /tmp/baseline
+    .venv/bin/python -m scripts.soak                          # 4000 requests, 256 in flight
+    .venv/bin/python -m scripts.soak --requests 500 --out /tmp/soak
+    .venv/bin/python -m scripts.soak --speculation none --allocator glibc --out /tmp/baseline
 
 Greedy outputs are compared with an offline target-only engine (float32, same tokens), seeded
 ones with an offline GSD engine in a quiet batch (seeded text does not depend on the batch). Writes
@@ -71,8 +71,8 @@ def seeded(request) -> bool:
 def offline_references(target: str, spec: dict | None, mix) -> dict:
     """Greedy requests: the target alone; seeded ones: the served configuration in a quiet
     offline batch."""
+    from scripts.tools.load import references
     from vllm_gsd.testing.engines import make_llm
-    from vllm_gsd.testing.load import references
 
     refs = {}
     for engine_spec, requests in ((None, [r for r in mix if r.greedy]), (spec, [r for r in mix if seeded(r)])):
@@ -89,10 +89,10 @@ def offline_references(target: str, spec: dict | None, mix) -> dict:
 def soak(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
-    from vllm_gsd.testing import load
+    from scripts.tools import load
+    from scripts.tools.memory import RssSampler, growth_per_1k
+    from scripts.tools.server import jemalloc_library, scrape_metrics, serve, wait_drained
     from vllm_gsd.testing.engines import gsd_config
-    from vllm_gsd.testing.memory import RssSampler, growth_per_1k
-    from vllm_gsd.testing.server import jemalloc_library, scrape_metrics, serve, wait_drained
     from vllm_gsd.testing.tiny_models import tiny_draft, tiny_target
 
     target, draft = str(tiny_target()), str(tiny_draft("perturbed"))
@@ -249,7 +249,7 @@ def main() -> int:
     args = parse_args()
     result = soak(args)
     failed = failed_checks(result, args.max_growth_mib_per_1k)
-    command = ("scripts/soak.py " + " ".join(sys.argv[1:])).strip()
+    command = ("python -m scripts.soak " + " ".join(sys.argv[1:])).strip()
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / "results.md").write_text(markdown(result, failed, command))
     print(markdown(result, failed, command))

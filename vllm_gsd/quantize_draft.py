@@ -11,7 +11,7 @@ draft proposes (greedy: identical; sampling: the target's distribution).
     .venv/bin/python scripts/quantize_draft.py SRC_DIR DST_DIR    (or: python -m vllm_gsd.quantize_draft)
 
 SRC_DIR: a Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), e.g.
-the draft `scripts/prepare_models.py --pair qwen` writes (which also writes this copy of it). Pass DST_DIR as the draft, for GSD and
+the draft `python -m scripts.prepare_models --pair qwen` writes (which also writes this copy of it). Pass DST_DIR as the draft, for GSD and
 for vLLM's draft_model alike: `--speculative-config '{"method": "gsd", "model": "DST_DIR", ...}'`.
 """
 

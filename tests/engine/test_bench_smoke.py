@@ -1,4 +1,4 @@
-"""`scripts/bench.py --quick` runs end to end and writes its table (CI smoke test)."""
+"""`python -m scripts.bench --quick` runs end to end and writes its table (CI smoke test)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_quick_benchmark_writes_results(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-m", "scripts.bench", "--quick", "--out", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     configs = {r["config"] for r in rows}

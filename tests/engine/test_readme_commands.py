@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from vllm_gsd.testing.server import scrape_metrics, server_env, vllm_command, wait_healthy
+from scripts.tools.server import scrape_metrics, server_env, vllm_command, wait_healthy
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 

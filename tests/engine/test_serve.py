@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import requests
 
-from vllm_gsd.testing import load
+from scripts.tools import load
+from scripts.tools.server import scrape_metrics, serve, wait_drained
 from vllm_gsd.testing.engines import default_gsd_config, gsd_config
-from vllm_gsd.testing.server import scrape_metrics, serve, wait_drained
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 
@@ -77,21 +77,29 @@ def test_streaming_and_metrics(gsd_server, tiny_models):
 
 
 def test_a_request_served_without_a_tree_is_logged_once_with_why(gsd_server, engines, tiny_models):
-    """Penalties are applied by vLLM's linear machinery: the request decodes plainly (the
-    target's own tokens) and the server log says so, once, naming the option."""
+    """A grammar is filled in by vLLM's structured-output manager for a chain of drafts: the
+    request decodes plainly (the target's own tokens) and the server log says so, once, naming
+    the option. A penalty, which trees honour, is not logged."""
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     url, log_path = gsd_server
+    choice = ["import os", "def f"]
     body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12,
-            "temperature": 0.0, "ignore_eos": True, "presence_penalty": 0.5}
+            "temperature": 0.0, "structured_outputs": {"choice": choice}}
     replies = [requests.post(f"{url}/v1/completions", timeout=120, json=body) for _ in range(2)]
     want = engines.get("target").generate(
-        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, presence_penalty=0.5),
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12,
+                                     structured_outputs=StructuredOutputsParams(choice=choice)),
         use_tqdm=False)[0].outputs[0].text
-    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want]
-    lines = [line for line in log_path.read_text(errors="replace").splitlines()
-             if "is served without speculation (penalties)" in line]
+    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want] and want in choice
+    penalized = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12,
+                 "temperature": 0.0, "ignore_eos": True, "presence_penalty": 0.5}
+    assert requests.post(f"{url}/v1/completions", timeout=120, json=penalized).status_code == 200
+    log = log_path.read_text(errors="replace").splitlines()
+    lines = [line for line in log if "is served without speculation (structured output)" in line]
     assert len(lines) == 2, lines  # one per request, each once
+    assert not [line for line in log if "is served without speculation" in line and "penalt" in line]
 
 
 # ------------------------------------------------------------------------------------ load

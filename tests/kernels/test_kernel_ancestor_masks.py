@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testutils import ancestor_words_loop, gen, pad_trees, randint, random_parents
+from scripts.tools.kernel_testutils import ancestor_words_loop, gen, pad_trees, randint, random_parents
 from vllm_gsd.graph import ancestor_words_from_parents as torch_ref
 from vllm_gsd.kernels import triton_ancestor_words_from_parents
 

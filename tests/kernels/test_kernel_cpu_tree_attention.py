@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_testutils import gen, make_attn_batch, random_parents
+from scripts.tools.kernel_testutils import gen, make_attn_batch, random_parents
 from vllm_gsd.kernels import graph_attention_ref, split_kv_cache
 from vllm_gsd.kernels.paged_layout import cpu_packing
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testutils import attention_bruteforce, gen, make_attn_batch, random_parents
+from scripts.tools.kernel_testutils import attention_bruteforce, gen, make_attn_batch, random_parents
 from vllm_gsd.kernels import graph_attention, graph_attention_ref
 
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}

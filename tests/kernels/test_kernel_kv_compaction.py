@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testutils import gen, make_paged_kv, randint, random_parents
+from scripts.tools.kernel_testutils import gen, make_paged_kv, randint, random_parents
 from vllm_gsd.kernels import compact_kv, compact_kv_cpu, compact_kv_ref, split_kv_cache
 from vllm_gsd.kernels.paged_layout import cpu_packing, cpu_token_views
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernel_testutils import gen, make_attn_batch
+from scripts.tools.kernel_testutils import gen, make_attn_batch
 from vllm_gsd.kernels import graph_attention_ref, split_kv_cache
 from vllm_gsd.kernels.paged_layout import cpu_kv_cache_shape, cpu_packing, cpu_token_views
 

@@ -26,7 +26,7 @@ import random
 import pytest
 import torch
 
-from kernel_testutils import (
+from scripts.tools.kernel_testutils import (
     ancestor_words_loop, gen, make_attn_batch, make_paged_kv, pad_trees, randint, random_parents,
 )
 from vllm_gsd.graph import ancestor_words_from_parents as ancestor_words_torch

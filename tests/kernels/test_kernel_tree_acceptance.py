@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_testutils import gen, pad_trees, randint, random_parents
+from scripts.tools.kernel_testutils import gen, pad_trees, randint, random_parents
 from vllm_gsd.graph.acceptance import walk_tree as torch_ref
 from vllm_gsd.kernels import triton_walk_tree
 

@@ -3,27 +3,17 @@ committed benchmark results."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from scripts import cost_model as cm
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "bench" / "qwen" / "results.json"
 
-
-def _load_cost_model():
-    spec = importlib.util.spec_from_file_location("cost_model", ROOT / "scripts" / "cost_model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["cost_model"] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-cm = _load_cost_model()
 
 # 1e9 parameters in bf16 = 2e9 bytes; 1 TB/s and 100 TFLOP/s: weights read in 2 ms, 2e9 FLOPs
 # per token take 20 us, so the ridge is at 100 tokens.

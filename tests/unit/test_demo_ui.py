@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
-
-DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo.py"
 
 
 @pytest.fixture(scope="module")
 def demo():
-    spec = importlib.util.spec_from_file_location("gsd_demo_script", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # defines functions only: nothing runs, no environment is set
-    return module
+    return importlib.import_module("scripts.demo")  # defines functions only: nothing runs, no environment is set
 
 
 def _rows(no_spec: float, chain: float, gsd: float) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The load client (vllm_gsd.testing.load) against a small ASGI server run by uvicorn, as vLLM's is.
+"""The load client (scripts.tools.load) against a small ASGI server run by uvicorn, as vLLM's is.
 
 A load test must fail for the server's faults only: these check that the client never sends on a
 connection the server's keep-alive has closed, and that each health probe has its own connection.
@@ -14,8 +14,8 @@ import time
 import pytest
 import uvicorn
 
-from vllm_gsd.testing import load
-from vllm_gsd.testing.server import free_port
+from scripts.tools import load
+from scripts.tools.server import free_port
 
 
 class FakeCompletionsServer:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from vllm_gsd.testing.memory import RssSample, growth_per_1k
-from vllm_gsd.testing.server import jemalloc_library, server_env
+from scripts.tools.memory import RssSample, growth_per_1k
+from scripts.tools.server import jemalloc_library, server_env
 
 
 def samples(points: list[tuple[int, float]]) -> list[RssSample]:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_gsd.testing import cache, prompts, real_models, tiny_models
+from scripts.tools import prompt_sets, real_models
+from vllm_gsd.testing import cache, prompts, tiny_models
 
 # A recipe small enough to build twice in a test (a few seconds).
 MICRO_RECIPE = dataclasses.replace(
@@ -205,18 +206,18 @@ def _skip_without_registry(load):
 
 
 def test_humaneval_prompts():
-    tasks = _skip_without_registry(prompts.humaneval_tasks)
+    tasks = _skip_without_registry(prompt_sets.humaneval_tasks)
     assert len(tasks) == 164 and tasks[0]["task_id"] == "HumanEval/0"
-    first_three = prompts.humaneval_prompts(3)
+    first_three = prompt_sets.humaneval_prompts(3)
     assert len(first_three) == 3 and "def " in first_three[0]
 
 
 def test_mtbench_prompts():
-    questions = _skip_without_registry(prompts.mtbench_questions)
+    questions = _skip_without_registry(prompt_sets.mtbench_questions)
     assert len(questions) == 80
     assert [q["question_id"] for q in questions] == sorted(q["question_id"] for q in questions)
     assert all(len(q["turns"]) == 2 for q in questions)
-    assert len(prompts.mtbench_prompts(5)) == 5 and prompts.mtbench_prompts(1, turn=1)[0]
+    assert len(prompt_sets.mtbench_prompts(5)) == 5 and prompt_sets.mtbench_prompts(1, turn=1)[0]
 
 
 # --------------------------------------------------------------------------- real-model assembly (offline)

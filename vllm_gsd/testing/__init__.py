@@ -1,8 +1,13 @@
-"""Test bed for vllm-gsd: tiny offline models, real model pairs from the package registry, prompts.
+"""Test bed of the engine tests: tiny offline models, their prompts, engine factories, probes.
 
 Submodules (import them explicitly; none is imported here, so importing the package is cheap):
-  tiny_models  -- tiny Llama target + derived drafts, trained offline on local text, cached.
-  real_models  -- Qwen2.5-Coder 1.5B/0.5B and SmolLM2-135M prepared as HF directories.
-  prompts      -- HumanEval / MT-Bench prompts read out of downloaded wheels, local code prompts.
-  cache        -- the shared cache directory and the atomic, lock-protected build helper.
+  tiny_models    -- tiny Llama target + derived drafts, trained offline on local text, cached.
+  prompts        -- fixed code prompts for the tiny models.
+  engines        -- the tests' engine configurations and factories, acceptance figures.
+  worker_probes  -- a worker extension the engine loads by name in its worker processes (Ray
+                    workers included, which see only installed packages): why it ships here.
+  cache          -- the shared cache directory and the atomic, lock-protected build helper.
+
+Benchmark, soak, demo and GPU-check tooling (real model pairs, HumanEval / MT-Bench prompts, the
+served-engine helpers, the load client, the RSS sampler) is in scripts/tools, not in the wheel.
 """

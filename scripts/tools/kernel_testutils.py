@@ -1,6 +1,7 @@
 """Random inputs and obviously-correct (slow, loop-based) oracles for the kernel tests.
 
-Imported by the tests as a sibling module (pytest prepends this directory to sys.path).
+Shared by tests/kernels and `python -m scripts.gpu_check` (which runs without vLLM: torch and
+vllm_gsd.kernels only).
 """
 
 from __future__ import annotations

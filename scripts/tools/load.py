@@ -225,7 +225,7 @@ async def _watch_server(session, url: str, stop: asyncio.Event, watch: ServerWat
     never a pooled connection's keep-alive running out under the probe."""
     import aiohttp
 
-    from vllm_gsd.testing.server import parse_metrics
+    from scripts.tools.server import parse_metrics
 
     timeout = aiohttp.ClientTimeout(total=30)
     while not stop.is_set():
