@@ -310,7 +310,8 @@ def _add_next_front(rule, starts, front, tokens, counts, cand, next_front):
         for c in range(first * width, end * width):  # kept nodes in creation order: rows ascending
             if cand.new_row[c] and cand.expandable[c]:
                 next_front.request[num_next], next_front.row[num_next] = b, cand.new_row[c]
-                next_front.token[num_next], next_front.path_prob[num_next] = tokens[c // width, c % width], cand.path_prob[c]
+                next_front.token[num_next] = tokens[c // width, c % width]
+                next_front.path_prob[num_next] = cand.path_prob[c]
                 num_next += 1
     return num_next
 
