@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.engine.lookup import (LookupAccuracy, append_extensions, find_node, lookup_continuation,
-                                    lookup_extensions, lookup_outcome, node_path)
-from vllm_gsd.engine.proposer import _kept_extensions, _with_extensions
+from vllm_gsd.engine.lookup import (LookupAccuracy, append_extensions, find_node, kept_extensions,
+                                    lookup_continuation, lookup_extensions, lookup_outcome, node_path,
+                                    with_extensions)
 from vllm_gsd.graph import GraphBuilder, GraphParams, ancestor_words_from_parents, walk_tree
 
 
@@ -143,14 +143,14 @@ def test_lookup_accuracy_follows_the_hits():
 def test_lookup_nodes_compete_with_the_drafts_own_by_path_probability():
     tree = two_trees()
     extensions = lookup_extensions(tree, [np.asarray([1, 2, 3, 4, 4, 9, 0]), np.asarray([6])], 2)
-    path_prob, depth, num_nodes = _with_extensions(tree, extensions, odds=0.5)
+    path_prob, depth, num_nodes = with_extensions(tree, extensions, odds=0.5)
     n0, leaf = int(tree.num_nodes[0]), int(extensions.leaf[0])
     assert num_nodes.tolist() == [n0 + 2, int(tree.num_nodes[1])]
     leaf_prob = float(tree.path_prob[0, leaf])
     assert path_prob[0, n0:n0 + 2] == pytest.approx([leaf_prob * 0.5, leaf_prob * 0.25])
     assert depth[0, n0:n0 + 2].tolist() == [3 + 1, 3 + 2]
     # A budget of every node keeps both; one that stops above the leaf's odds keeps none.
-    assert _kept_extensions(path_prob, num_nodes - extensions.num, num_nodes).tolist() == [2, 0]
+    assert kept_extensions(path_prob, num_nodes - extensions.num, num_nodes).tolist() == [2, 0]
     above = int((path_prob[0, :n0] > leaf_prob * 0.5).sum())
-    assert _kept_extensions(path_prob, num_nodes - extensions.num, np.asarray([above, 0])).tolist() == [0, 0]
-    assert _kept_extensions(path_prob, num_nodes - extensions.num, np.asarray([above + 1, 0]))[0] in (0, 1)
+    assert kept_extensions(path_prob, num_nodes - extensions.num, np.asarray([above, 0])).tolist() == [0, 0]
+    assert kept_extensions(path_prob, num_nodes - extensions.num, np.asarray([above + 1, 0]))[0] in (0, 1)

@@ -143,6 +143,36 @@ def append_extensions(tree: VerificationTree, leaf: np.ndarray, tokens: np.ndarr
     return replace(tree, ancestor_words=None, **out)
 
 
+def with_extensions(tree: VerificationTree, extensions: Extensions, odds: float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(path_prob float64 [B, N + E], depth int64 [B, N + E], num_nodes int64 [B]): the tree's
+    nodes, each request's lookup nodes right after them, at the leaf's path probability times
+    odds per lookup node (so that lookup nodes compete with the draft's for the verified rows)."""
+    num_nodes = tree.num_nodes.numpy()
+    batch, width = tree.path_prob.shape
+    extra = extensions.tokens.shape[1]
+    path_prob = np.zeros((batch, width + extra))
+    depth = np.zeros((batch, width + extra), dtype=np.int64)
+    path_prob[:, :width], depth[:, :width] = tree.path_prob.numpy(), tree.depth.numpy()
+    for b in np.flatnonzero(extensions.leaf >= 0).tolist():
+        n, e, leaf = int(num_nodes[b]), int(extensions.num[b]), int(extensions.leaf[b])
+        steps = np.arange(1, e + 1)
+        path_prob[b, n:n + e] = path_prob[b, leaf] * odds ** steps
+        depth[b, n:n + e] = depth[b, leaf] + steps
+    return path_prob, depth, num_nodes + extensions.num
+
+
+def kept_extensions(path_prob: np.ndarray, num_draft: np.ndarray, node_budget: np.ndarray) -> np.ndarray:
+    """int64 [B]: how many of each request's lookup nodes (the columns from num_draft[b] on) are
+    among its node_budget[b] most likely nodes (ties: the earlier column, as the budget's
+    selection orders them)."""
+    kept = np.zeros(len(num_draft), dtype=np.int64)
+    for b in np.flatnonzero(node_budget > 0).tolist():
+        best = np.argsort(-path_prob[b], kind="stable")[: int(node_budget[b])]
+        kept[b] = int((best >= num_draft[b]).sum())
+    return kept
+
+
 class LookupAccuracy:
     """P(a lookup node is the target's token | the path to its parent was accepted): an
     exponentially weighted ratio of hits to tries over about `window` tries, starting from

@@ -1,0 +1,104 @@
+"""The draft's LM head and each graph row's children.
+
+`draft_children(head, hidden, ...)` returns the top_k children of each row: for greedy requests
+the top-k of the draft's softmax, for sampled requests the Gumbel-top-k of the draft's processed
+scores under the request's own sampling and the noise of the children's position
+(engine/sampling.py), with probabilities under the noisy softmax. The LM head and its softmax run
+in row chunks (one [chunk, V] float32 copy at a time). A reduced head (engine/draft_head.py)
+scores its kept ids and the step's extra ones (`step_vocabulary`): the softmax is over those,
+and the other ids are never children.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from vllm_gsd.engine.draft_head import DraftHead, logit_columns, top_children, widen
+from vllm_gsd.engine.drafter.batch import DraftBatch
+from vllm_gsd.engine.drafter.choose import Candidate
+from vllm_gsd.engine.sampling import processed_scores
+from vllm_gsd.engine.scorer import rows_per_chunk
+from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
+
+
+class Vocabulary(NamedTuple):
+    """The ids a reduced head scores in one step."""
+
+    extra_ids: torch.Tensor | None  # int64 [E]: ids past the kept ones (None: none)
+    columns: torch.Tensor  # int64 [kept + E]: the token id of each logit column
+
+
+class Children(NamedTuple):
+    """Each row's children, CPU, descending by probability."""
+
+    tokens: torch.Tensor  # int64 [R, k]
+    probs: torch.Tensor  # float32 [R, k]
+
+
+def step_vocabulary(head: DraftHead, batch: DraftBatch, candidates: list[Candidate]) -> Vocabulary | None:
+    """The reduced head's vocabulary this step: its kept ids, and past them every id in the
+    candidates' own tokens (a prompt's names, a chat's turn markers) and their stop tokens.
+    None: the head scores the whole vocabulary."""
+    if not getattr(head, "reduced", False):
+        return None
+    token_ids = batch.token_ids
+    ids = []
+    for c in candidates:
+        context = token_ids[c.batch_row, :c.root_pos + 1]
+        ids.append(context[context >= head.kept])  # few: filter before sorting them
+        params = batch.sampling_params[c.batch_row]
+        if params is not None:
+            ids.append(np.fromiter(params.all_stop_token_ids, dtype=token_ids.dtype))
+    ids = np.unique(np.concatenate(ids))
+    extra_ids = torch.from_numpy(ids[(ids >= head.kept) & (ids < head.vocab_size)].astype(np.int64))
+    return Vocabulary(extra_ids, logit_columns(head.kept, extra_ids))
+
+
+def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size: int,
+                   candidates: list[Candidate] | None = None, request_index: np.ndarray | None = None,
+                   depth: np.ndarray | None = None, vocabulary: Vocabulary | None = None) -> Children:
+    """The children of each row of hidden [R, H]. Row r belongs to candidates[request_index[r]]
+    at primary depth depth[r] (candidates None: every row greedy, as in a dummy run)."""
+    if vocabulary is None and getattr(head, "reduced", False):  # dummy runs: the kept ids alone
+        vocabulary = Vocabulary(None, logit_columns(head.kept, None))
+    extra_ids, columns = vocabulary if vocabulary is not None else (None, None)
+    tokens = torch.empty((hidden.shape[0], top_k), dtype=torch.int64)
+    probs = torch.empty((hidden.shape[0], top_k), dtype=torch.float32)
+    sampled = np.zeros(hidden.shape[0], dtype=bool)
+    if candidates is not None:
+        sampled = np.asarray([candidates[b].sampling is not None for b in request_index], dtype=bool)
+    chunk = rows_per_chunk(vocab_size)
+    for lo in range(0, hidden.shape[0], chunk):
+        logits = head(hidden[lo:lo + chunk]) if columns is None else head(hidden[lo:lo + chunk], extra_ids)
+        rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
+        greedy = rows[~sampled[rows]]
+        if greedy.size:
+            tokens[greedy], probs[greedy] = top_children(logits[greedy - lo], top_k, columns)
+        drawn = rows[sampled[rows]]
+        if drawn.size:
+            scores = logits[drawn - lo]
+            if columns is not None:  # the noise and the sampling knobs index the whole vocabulary
+                scores = widen(scores, columns, head.vocab_size)
+            tokens[drawn], probs[drawn] = _sampled_children(scores, top_k, candidates, request_index[drawn],
+                                                            depth[drawn])
+    return Children(tokens, probs)
+
+
+def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candidate], request_index: np.ndarray,
+                      depth: np.ndarray) -> Children:
+    settings = [candidates[b].sampling for b in request_index]
+    device, vocab = logits.device, logits.shape[-1]
+    row_top_k = [s.top_k if s.top_k > 0 else vocab for s in settings]
+    row_top_p = [s.top_p for s in settings]
+    scores = processed_scores(
+        logits, torch.tensor([s.temperature for s in settings], device=device),
+        None if all(k == vocab for k in row_top_k) else torch.tensor(row_top_k, device=device),
+        None if all(p >= 1.0 for p in row_top_p) else torch.tensor(row_top_p, device=device))
+    # Children of a depth-d row sit at position root_pos + d + 1.
+    positions = np.asarray([candidates[b].root_pos for b in request_index]) + depth + 1
+    noise = gumbel_noise(np.asarray([s.noise_key for s in settings]), positions, vocab, device)
+    top_tokens, top_probs = gumbel_top_k(scores, noise, top_k)
+    return Children(top_tokens.cpu(), top_probs.cpu())
