@@ -14,7 +14,7 @@ import gc
 
 import pytest
 
-from vllm_gsd.testing.engines import gsd_config, make_llm
+from vllm_gsd.testing.engines import greedy_token_ids, gsd_config, make_llm, token_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -22,11 +22,7 @@ PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "x"]
 
 
 def _greedy_ids(llm, tokenizer) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    prompts = [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return greedy_token_ids(llm, token_prompts(tokenizer, PROMPTS), 24)
 
 
 def _start_generate_stop(target: str, speculative_config: dict, tokenizer) -> list[list[int]]:

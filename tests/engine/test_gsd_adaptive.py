@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_gsd.testing.engines import CPU_LIKE_COSTS, gsd_config, make_llm
+from vllm_gsd.testing.engines import CPU_LIKE_COSTS, greedy_params, gsd_config, make_llm, token_ids, token_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -22,21 +22,11 @@ def costly_gsd(tiny_models):
     llm.llm_engine.engine_core.shutdown()
 
 
-def _token_prompts(tokenizer, count):
+def _tiny_token_prompts(tokenizer, count):
+    """`count` prompts: the tiny prompts, repeated as needed, as token ids."""
     from vllm_gsd.testing.prompts import tiny_prompts
 
-    texts = (tiny_prompts() * (count // 8 + 1))[:count]
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
-
-
-def _greedy(max_tokens):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _token_ids(llm, prompts, params):
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return token_prompts(tokenizer, (tiny_prompts() * (count // 8 + 1))[:count])
 
 
 def _run(llm, prompts, params, outputs: list | None = None):
@@ -65,9 +55,9 @@ def _first_node_acceptance(outputs) -> float:
 
 
 def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
-    prompts = _token_prompts(tokenizer, 1)
-    got, delta = _run(costly_gsd, prompts, _greedy(48))
-    assert got == _token_ids(engines.get("target"), prompts, _greedy(48))
+    prompts = _tiny_token_prompts(tokenizer, 1)
+    got, delta = _run(costly_gsd, prompts, greedy_params(48))
+    assert got == token_ids(engines.get("target"), prompts, greedy_params(48))
     assert delta["steps_speculated"] > 0 and delta["steps_not_speculated"] == 0
     # Verification beyond 8 tokens costs more (each further node an eighth of a step): the policy
     # keeps trees near the 7 free nodes, far below the budget of 24, cutting some of what it drafted.
@@ -87,11 +77,11 @@ def test_one_request_gets_trees(costly_gsd, engines, tokenizer):
 def test_many_requests_decode_plainly_then_speculate_as_they_finish(costly_gsd, engines, tokenizer):
     """32 requests: no speculation while most run; as they finish (max_tokens 8..100) the few
     left draft again, with the draft caught up on everything it skipped."""
-    prompts = _token_prompts(tokenizer, 32)
-    params = [_greedy(8 + 3 * i) for i in range(32)]
+    prompts = _tiny_token_prompts(tokenizer, 32)
+    params = [greedy_params(8 + 3 * i) for i in range(32)]
     batched: list = []
     got, delta = _run(costly_gsd, prompts, params, batched)
-    assert got == _token_ids(engines.get("target"), prompts, params)
+    assert got == token_ids(engines.get("target"), prompts, params)
     assert delta["steps_not_speculated"] > 0
     assert delta["steps_speculated"] > 0
     # The draft's KV was caught up correctly after the plain steps: its roots' next tokens are
@@ -111,11 +101,11 @@ def test_measured_cost_curves_serve_exactly(tiny_models, engines, tokenizer):
     the output is the target's."""
     llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"], **_knobs()))
     try:
-        prompts = _token_prompts(tokenizer, 6)
-        got, delta = _run(llm, prompts, _greedy(32))
+        prompts = _tiny_token_prompts(tokenizer, 6)
+        got, delta = _run(llm, prompts, greedy_params(32))
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert got == _token_ids(engines.get("target"), prompts, _greedy(32))
+    assert got == token_ids(engines.get("target"), prompts, greedy_params(32))
     assert delta["steps_speculated"] + delta["steps_not_speculated"] > 0
 
 
@@ -133,16 +123,16 @@ def test_a_draft_too_slow_to_pay_stops_speculation_by_measured_step_times(tiny_m
         assert [w["draft_head"] for w in llm.collective_rpc("gsd_test_worker_info")] == ["Int8DraftHead"]
         llm.collective_rpc("gsd_test_slow_draft", args=(0.04,))
         llm.collective_rpc("gsd_test_count_tree_scoring")
-        prompts = _token_prompts(tokenizer, 16)
+        prompts = _tiny_token_prompts(tokenizer, 16)
         got, delta = [], None
         for prompt in prompts:  # one request at a time: the load speculation is for
-            ids, step = _run(llm, [prompt], _greedy(128))
+            ids, step = _run(llm, [prompt], greedy_params(128))
             got += ids
             delta = step if delta is None else {k: delta[k] + step[k] for k in step}
         [tree_scoring_calls] = llm.collective_rpc("gsd_test_tree_scoring_calls")
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert got == _token_ids(engines.get("target"), prompts, _greedy(128))
+    assert got == token_ids(engines.get("target"), prompts, greedy_params(128))
     assert delta["steps_not_speculated"] > 10 * delta["steps_speculated"]
     # Plain steps sample as without speculation: only a step that verifies trees is scored by
     # GSD's rejection sampler (vLLM would route every step through it).

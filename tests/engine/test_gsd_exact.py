@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from vllm_gsd.engine.metrics import gsd_stats
-from vllm_gsd.testing.engines import MAX_MODEL_LEN, REDUCED_DRAFT_VOCAB, acceptance_of, mean_acceptance_length_of
+from vllm_gsd.testing.engines import (MAX_MODEL_LEN, REDUCED_DRAFT_VOCAB, acceptance_of, greedy_params,
+                                      mean_acceptance_length_of, token_ids, token_prompts)
 
 pytestmark = pytest.mark.engine
 
@@ -21,28 +22,13 @@ CODE_PROMPTS = [
 ]
 
 
-def token_prompts(tokenizer, texts):
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"] or [1]} for t in texts]
-
-
-def greedy(max_tokens, **kw):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
-def generate_ids(llm, prompts, params):
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def test_greedy_is_identical_to_target_in_a_mixed_batch(engines, tokenizer):
     prompts = token_prompts(tokenizer, CODE_PROMPTS)
     # A long prompt too, and different max_tokens per request: requests finish mid-batch.
     long_ids = (prompts[2]["prompt_token_ids"] * 40)[: MAX_MODEL_LEN - 60]
     prompts.append({"prompt_token_ids": long_ids})
-    params = [greedy(8 + 7 * i) for i in range(len(prompts))]
-    reference = generate_ids(engines.get("target"), prompts, params)
+    params = [greedy_params(8 + 7 * i) for i in range(len(prompts))]
+    reference = token_ids(engines.get("target"), prompts, params)
     gsd = engines.get("gsd")
     before = gsd_stats(gsd)
     outputs = gsd.generate(prompts, params, use_tqdm=False)
@@ -60,11 +46,11 @@ def test_greedy_is_identical_to_target_in_a_mixed_batch(engines, tokenizer):
 def test_greedy_is_identical_in_eager_mode_too(engines, tokenizer):
     """The suite runs vLLM's default (compiled) mode; this twin keeps enforce_eager covered."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS)
-    params = [greedy(8 + 7 * i) for i in range(len(prompts))]
+    params = [greedy_params(8 + 7 * i) for i in range(len(prompts))]
     eager = engines.get("gsd_eager")
     assert eager.llm_engine.vllm_config.model_config.enforce_eager
     outputs = eager.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == generate_ids(engines.get("target"), prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == token_ids(engines.get("target"), prompts, params)
     assert acceptance_of(outputs)[1] > 0
 
 
@@ -72,9 +58,9 @@ def test_each_prompt_alone_equals_the_batch(engines, tokenizer):
     """Batch composition changes the trees; it must not change a single token."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS[:4])
     gsd = engines.get("gsd")
-    batched = generate_ids(gsd, prompts, greedy(32))
-    alone = [generate_ids(gsd, [p], greedy(32))[0] for p in prompts]
-    assert batched == alone == generate_ids(engines.get("target"), prompts, greedy(32))
+    batched = token_ids(gsd, prompts, greedy_params(32))
+    alone = [token_ids(gsd, [p], greedy_params(32))[0] for p in prompts]
+    assert batched == alone == token_ids(engines.get("target"), prompts, greedy_params(32))
 
 
 def test_requests_arriving_and_finishing_mid_batch(engines, tokenizer):
@@ -83,7 +69,7 @@ def test_requests_arriving_and_finishing_mid_batch(engines, tokenizer):
 
     def staggered(llm):
         engine = llm.llm_engine
-        pending = [(f"r{i}", p, greedy(10 + 9 * (i % 3))) for i, p in enumerate(prompts)]
+        pending = [(f"r{i}", p, greedy_params(10 + 9 * (i % 3))) for i, p in enumerate(prompts)]
         done = {}
         step = 0
         while pending or engine.has_unfinished_requests():
@@ -105,8 +91,8 @@ def test_prompt_at_the_context_limit(engines, tokenizer):
     for room in (1, 2, 5, 17):
         ids = (base * 100)[: MAX_MODEL_LEN - room]
         prompt = [{"prompt_token_ids": ids}]
-        expected = generate_ids(engines.get("target"), prompt, greedy(room))
-        assert generate_ids(engines.get("gsd"), prompt, greedy(room)) == expected
+        expected = token_ids(engines.get("target"), prompt, greedy_params(room))
+        assert token_ids(engines.get("gsd"), prompt, greedy_params(room)) == expected
         assert len(expected[0]) == room
 
 
@@ -114,14 +100,14 @@ def test_max_tokens_one_and_stop_strings(engines, tokenizer):
     from vllm import SamplingParams
 
     prompts = token_prompts(tokenizer, CODE_PROMPTS[:3])
-    assert (generate_ids(engines.get("gsd"), prompts, greedy(1))
-            == generate_ids(engines.get("target"), prompts, greedy(1)))
+    assert (token_ids(engines.get("gsd"), prompts, greedy_params(1))
+            == token_ids(engines.get("target"), prompts, greedy_params(1)))
     # Stop at a token that the target emits mid-way: output stops exactly where the target's does.
-    reference = generate_ids(engines.get("target"), prompts, greedy(40))
+    reference = token_ids(engines.get("target"), prompts, greedy_params(40))
     stop_ids = [ref[len(ref) // 2] for ref in reference]
     params = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[s]) for s in stop_ids]
-    assert (generate_ids(engines.get("gsd"), prompts, params)
-            == generate_ids(engines.get("target"), prompts, params))
+    assert (token_ids(engines.get("gsd"), prompts, params)
+            == token_ids(engines.get("target"), prompts, params))
 
 
 def test_an_int8_draft_keeps_the_target_s_output(engines, tokenizer):
@@ -129,13 +115,13 @@ def test_an_int8_draft_keeps_the_target_s_output(engines, tokenizer):
     path, with its int8 head over a reduced vocabulary (engine/draft_head.py): it only proposes,
     so the output is still the target's, and its proposals are accepted."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS)
-    params = [greedy(8 + 7 * i) for i in range(len(prompts))]
+    params = [greedy_params(8 + 7 * i) for i in range(len(prompts))]
     llm = engines.get("gsd_int8")
     assert llm.llm_engine.vllm_config.speculative_config.draft_model_config.quantization == "compressed-tensors"
     assert [(w["draft_head"], w["draft_head_kept"]) for w in llm.collective_rpc("gsd_test_worker_info")] == [
         ("Int8DraftHead", REDUCED_DRAFT_VOCAB)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == generate_ids(engines.get("target"), prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == token_ids(engines.get("target"), prompts, params)
     assert mean_acceptance_length_of(outputs) >= 2.0
     # Sampled requests draft from the reduced head too (their noise spans the whole vocabulary):
     # they run to their length and accept drafts. (Their distribution: tests/engine/test_gsd_sampling.py.)
@@ -150,8 +136,9 @@ def test_an_int8_draft_keeps_the_target_s_output(engines, tokenizer):
 def test_identical_draft_accepts_deep_paths(engines, tokenizer):
     """With draft == target every greedy path is in the tree: acceptance far beyond 1 token."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS[:4])
-    outputs = engines.get("gsd_same").generate(prompts, greedy(48), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == generate_ids(engines.get("target"), prompts, greedy(48))
+    outputs = engines.get("gsd_same").generate(prompts, greedy_params(48), use_tqdm=False)
+    want = token_ids(engines.get("target"), prompts, greedy_params(48))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
     assert mean_acceptance_length_of(outputs) >= 3.0
 
 
@@ -162,10 +149,11 @@ def test_gsd_accepts_more_than_the_draft_model_chain(engines, tokenizer):
 
     prompts = token_prompts(tokenizer, tiny_prompts())
     chain, gsd = engines.get("draft_model"), engines.get("gsd_wide")
-    chain_len = mean_acceptance_length_of(chain.generate(prompts, greedy(64), use_tqdm=False))
-    gsd_out = gsd.generate(prompts, greedy(64), use_tqdm=False)
+    chain_len = mean_acceptance_length_of(chain.generate(prompts, greedy_params(64), use_tqdm=False))
+    gsd_out = gsd.generate(prompts, greedy_params(64), use_tqdm=False)
     gsd_len = mean_acceptance_length_of(gsd_out)
-    assert [list(o.outputs[0].token_ids) for o in gsd_out] == generate_ids(engines.get("target"), prompts, greedy(64))
+    want = token_ids(engines.get("target"), prompts, greedy_params(64))
+    assert [list(o.outputs[0].token_ids) for o in gsd_out] == want
     print(f"mean acceptance length: draft_model chain {chain_len:.2f}, gsd {gsd_len:.2f}")
     assert gsd_len >= 1.4 * chain_len
 
@@ -174,7 +162,7 @@ def test_gsd_figures_are_reported(engines, tokenizer):
     from vllm_gsd.engine.metrics import gsd_stats
 
     llm = engines.get("gsd")
-    generate_ids(llm, token_prompts(tokenizer, CODE_PROMPTS[:2]), greedy(16))
+    token_ids(llm, token_prompts(tokenizer, CODE_PROMPTS[:2]), greedy_params(16))
     stats = gsd_stats(llm)
     assert stats.trees_verified > 0 and stats.nodes_verified >= stats.trees_verified
     assert stats.accepted_nodes > 0 and stats.graph_nodes_drafted > 0

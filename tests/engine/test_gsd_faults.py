@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_gsd.testing.engines import MAX_MODEL_LEN, NODE_BUDGET
+from vllm_gsd.testing.engines import MAX_MODEL_LEN, NODE_BUDGET, greedy_params, token_prompts
 
 pytestmark = pytest.mark.engine
 
@@ -18,16 +18,6 @@ TEXTS = [
     "    return self._data[key]\n",
     "try:\n    value = int(text)\nexcept ValueError:\n",
 ]
-
-
-def _prompts(tokenizer, texts=TEXTS):
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
-
-
-def _greedy(max_tokens, **kw):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **{"ignore_eos": True, **kw})
 
 
 def _outputs(llm, prompts, params):
@@ -75,8 +65,8 @@ def test_stops_inside_an_accepted_path_end_the_output_where_the_target_does(engi
     from vllm import SamplingParams
 
     llm = engines.get("gsd_same")  # draft == target: deep accepted paths
-    prompts = _prompts(tokenizer)
-    lengths, full = _step_by_step(llm, prompts, _greedy(40))
+    prompts = token_prompts(tokenizer, TEXTS)
+    lengths, full = _step_by_step(llm, prompts, greedy_params(40))
     cases = []  # (prompt, SamplingParams, the token index the stop falls on)
     for i, prompt in enumerate(prompts):
         ids, text = list(full[i].token_ids), full[i].text
@@ -103,8 +93,8 @@ def test_aborts_mid_tree_leave_the_other_requests_exact(engines, tokenizer):
     """Requests aborted while their trees are in flight are freed; the others' tokens are the
     target's own, and the engine serves new requests exactly afterwards."""
     llm = engines.get("gsd")
-    prompts = _prompts(tokenizer)
-    params = _greedy(48)
+    prompts = token_prompts(tokenizer, TEXTS)
+    params = greedy_params(48)
     lengths, finished = _step_by_step(llm, prompts, params, abort_at={0: 2, 3: 6, 5: 12})
     want = _outputs(engines.get("target"), prompts, params)
     assert sorted(finished) == [1, 2, 4]
@@ -120,10 +110,10 @@ def test_every_room_from_zero_to_past_the_node_budget(engines, tokenizer):
     """Prompts that end exactly at the context limit, or leave room for 1..N+2 tokens (fewer
     nodes than the budget, down to none), in one batch: each request stops at the limit as the
     target's does."""
-    base = _prompts(tokenizer, [TEXTS[2]])[0]["prompt_token_ids"]
+    base = token_prompts(tokenizer, [TEXTS[2]])[0]["prompt_token_ids"]
     rooms = list(range(1, NODE_BUDGET + 3))
     prompts = [{"prompt_token_ids": (base * 100)[:MAX_MODEL_LEN - room]} for room in rooms]
-    params = _greedy(NODE_BUDGET + 8)  # more than any room: the context limit stops them
+    params = greedy_params(NODE_BUDGET + 8)  # more than any room: the context limit stops them
     got = _outputs(engines.get("gsd"), prompts, params)
     want = _outputs(engines.get("target"), prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -146,10 +136,10 @@ def test_n_greater_than_one_at_top_k_one_equals_greedy(engines, tokenizer):
     tokens, each of them; vLLM itself refuses n > 1 at temperature 0."""
     from vllm import SamplingParams
 
-    prompts = _prompts(tokenizer)[:3]
+    prompts = token_prompts(tokenizer, TEXTS)[:3]
     params = SamplingParams(n=3, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True)
     got = engines.get("gsd").generate(prompts, params, use_tqdm=False)
-    want = _outputs(engines.get("target"), prompts, _greedy(24))
+    want = _outputs(engines.get("target"), prompts, greedy_params(24))
     for g, w in zip(got, want):
         assert [c.token_ids for c in g.outputs] == [w.token_ids] * 3
 
@@ -161,7 +151,7 @@ def test_seeded_prompts_split_by_chunked_prefill(engines, tokenizer):
     text equals the same request's text when it is prefilled at once."""
     from vllm import SamplingParams
 
-    base = _prompts(tokenizer, [TEXTS[2]])[0]["prompt_token_ids"]
+    base = token_prompts(tokenizer, [TEXTS[2]])[0]["prompt_token_ids"]
     long = [{"prompt_token_ids": (base * 40)[k:k + 460]} for k in range(10)]  # 4600 > 4096 tokens
     params = [SamplingParams(temperature=0.8, seed=100 + k, max_tokens=12, ignore_eos=True)
               for k in range(10)]
@@ -178,7 +168,7 @@ def test_sampled_tokens_report_the_targets_raw_logprobs(engines, tokenizer):
     them after temperature and top-k (it processed the float32 logits in place)."""
     from vllm import SamplingParams
 
-    prompt = _prompts(tokenizer)[2]
+    prompt = token_prompts(tokenizer, TEXTS)[2]
     params = SamplingParams(temperature=0.5, top_k=20, seed=3, max_tokens=16, ignore_eos=True, logprobs=2)
     got = _outputs(engines.get("gsd"), [prompt], params)[0]
     scored = engines.get("target").generate(
@@ -197,10 +187,10 @@ def test_the_widest_accepted_config_serves_exactly(tiny_models, engines, tokeniz
 
     spec = gsd_config(tiny_models["perturbed"], 128, top_k=16, max_depth=32, merge_ngram=8,
                       min_child_ratio=0.0, leaf_prob=0.0, adaptive=False, cost_curve=None)
-    prompts = _prompts(tokenizer)[:2]
+    prompts = token_prompts(tokenizer, TEXTS)[:2]
     llm = make_llm(tiny_models["target"], spec)
     try:
-        got = [o.token_ids for o in _outputs(llm, prompts, _greedy(24))]
+        got = [o.token_ids for o in _outputs(llm, prompts, greedy_params(24))]
     finally:
         llm.llm_engine.engine_core.shutdown()
-    assert got == [o.token_ids for o in _outputs(engines.get("target"), prompts, _greedy(24))]
+    assert got == [o.token_ids for o in _outputs(engines.get("target"), prompts, greedy_params(24))]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_gsd.testing.engines import acceptance_of, mean_acceptance_length_of
+from vllm_gsd.testing.engines import acceptance_of, greedy_params, mean_acceptance_length_of
 
 pytestmark = pytest.mark.engine
 
@@ -24,12 +24,6 @@ def shared_prefix(tokenizer, seed: int) -> list[int]:
     return (header + body)[:PREFIX_TOKENS]
 
 
-def greedy(max_tokens, **kw):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
-
-
 def test_a_prefix_cached_without_draft_kv_keeps_the_drafts_acceptance(engines, tokenizer):
     """The prefix's blocks are cached by a request whose steps never ran the draft (a grammar:
     served without speculation); then 8 greedy requests share it. Measured before the fix on this
@@ -44,10 +38,10 @@ def test_a_prefix_cached_without_draft_kv_keeps_the_drafts_acceptance(engines, t
     results = {}
     for name in ("gsd", "gsd_no_prefix_cache"):
         llm = engines.get(name)
-        llm.generate([{"prompt_token_ids": prefix}], greedy(40, **cached_by), use_tqdm=False)
-        outputs = llm.generate(sharers, greedy(40), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": prefix}], greedy_params(40, **cached_by), use_tqdm=False)
+        outputs = llm.generate(sharers, greedy_params(40), use_tqdm=False)
         results[name] = outputs
-    want = engines.get("target").generate(sharers, greedy(40), use_tqdm=False)
+    want = engines.get("target").generate(sharers, greedy_params(40), use_tqdm=False)
     for name, outputs in results.items():
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in want], name
     cached = results["gsd"]
@@ -70,8 +64,8 @@ def test_a_draft_with_a_shorter_context_is_not_run_past_it(engines, tokenizer):
     body = tokenizer(CODE * 40, add_special_tokens=False)["input_ids"]
     prompts = [{"prompt_token_ids": body[:length]} for length in (40, SHORT_DRAFT_CONTEXT - 30, 300, 470)]
     llm = engines.get("gsd_short_draft")
-    got = llm.generate(prompts, greedy(36), use_tqdm=False)
-    want = engines.get("target").generate(prompts, greedy(36), use_tqdm=False)
+    got = llm.generate(prompts, greedy_params(36), use_tqdm=False)
+    want = engines.get("target").generate(prompts, greedy_params(36), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert gsd_stats(llm).trees_verified > 0
     verify_steps = [acceptance_of([o])[0] for o in got]

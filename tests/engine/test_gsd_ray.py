@@ -20,13 +20,14 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from vllm_gsd.testing.engines import default_gsd_config, gsd_config, make_llm
+from vllm_gsd.testing.engines import default_gsd_config, greedy_token_ids, gsd_config, make_llm, token_prompts
 from vllm_gsd.testing.worker_probes import WORKER_PROBES, tree_counts_per_rank
 
 pytestmark = pytest.mark.engine
 
 TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def push(self, x):\n",
          "for i in range(10):\n"]
+MAX_TOKENS = 40
 # One Ray "GPU" slot per worker of every engine this module starts (tp 1, then tp 2), so the
 # second engine never waits for Ray to release the first one's placement group.
 RAY_WORKER_SLOTS = 3
@@ -81,20 +82,13 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in TEXTS]
-
-
-def _greedy(llm, prompts):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return token_prompts(tokenizer, TEXTS)
 
 
 @pytest.fixture(scope="module")
 def target_outputs(engines, prompts):
     """The target alone (multiprocessing executor), started before Ray's variables are set."""
-    return _greedy(engines.get("target"), prompts)
+    return greedy_token_ids(engines.get("target"), prompts, MAX_TOKENS)
 
 
 @pytest.mark.timeout(420)
@@ -107,7 +101,7 @@ def test_ray_executor_gsd_equals_target(target_outputs, ray_cluster, tiny_models
     llm = make_llm(tiny_models["target"], speculative_config, tensor_parallel_size=tp,
                    distributed_executor_backend="ray", worker_extension_cls=WORKER_PROBES)
     try:
-        assert _greedy(llm, prompts) == target_outputs
+        assert greedy_token_ids(llm, prompts, MAX_TOKENS) == target_outputs
         workers = llm.collective_rpc("gsd_test_worker_info")
         counts = tree_counts_per_rank(llm)
     finally:

@@ -13,12 +13,11 @@ def test_preemption_mid_tree_keeps_greedy_exact_and_seeded_text(engines, tiny_mo
     seeded text is what the same request samples with room to spare."""
     from vllm import SamplingParams
 
-    from vllm_gsd.testing.engines import gsd_config, make_llm
+    from vllm_gsd.testing.engines import greedy_params, gsd_config, make_llm, token_prompts
     from vllm_gsd.testing.prompts import tiny_prompts
 
-    prompts = [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]}
-               for t in tiny_prompts()] * 3
-    greedy = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    prompts = token_prompts(tokenizer, tiny_prompts()) * 3
+    greedy = greedy_params(120)
     params = [greedy if i % 3 else SamplingParams(temperature=0.9, top_p=0.95, seed=i, max_tokens=120,
                                                   ignore_eos=True)
               for i in range(len(prompts))]

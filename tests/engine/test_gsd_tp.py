@@ -5,31 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_gsd.testing.engines import gsd_config, make_llm
+from vllm_gsd.testing.engines import greedy_token_ids, gsd_config, make_llm, token_prompts
 from vllm_gsd.testing.worker_probes import WORKER_PROBES, tree_counts_per_rank
 
 pytestmark = pytest.mark.engine
 
 TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "class Queue:\n    def push(self, x):\n",
          "for i in range(10):\n"]
-
-
-def _prompts(tokenizer):
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in TEXTS]
-
-
-def _greedy(llm, prompts):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+MAX_TOKENS = 40
 
 
 def test_tp2_greedy_equals_tp1_and_target(engines, tokenizer):
     """At GSD's default knobs (engine "gsd_tp2"; the adaptive budget decides on every rank)."""
-    prompts = _prompts(tokenizer)
-    tp2 = _greedy(engines.get("gsd_tp2"), prompts)
-    assert tp2 == _greedy(engines.get("gsd"), prompts) == _greedy(engines.get("target"), prompts)
+    prompts = token_prompts(tokenizer, TEXTS)
+    tp2 = greedy_token_ids(engines.get("gsd_tp2"), prompts, MAX_TOKENS)
+    assert (tp2 == greedy_token_ids(engines.get("gsd"), prompts, MAX_TOKENS)
+            == greedy_token_ids(engines.get("target"), prompts, MAX_TOKENS))
     # Both ranks drafted and verified trees, the same ones (their agreement is also checked
     # every step, which the next test proves).
     counts = tree_counts_per_rank(engines.get("gsd_tp2"))
@@ -48,11 +39,13 @@ def test_rank_that_builds_other_trees_stops_the_engine(tiny_models, engines, tok
                    worker_extension_cls=WORKER_PROBES)
     try:
         # Trees on every step (the tests' free cost curves) at tp 2: the target's tokens.
-        assert _greedy(llm, _prompts(tokenizer)) == _greedy(engines.get("target"), _prompts(tokenizer))
+        prompts = token_prompts(tokenizer, TEXTS)
+        got = greedy_token_ids(llm, prompts, MAX_TOKENS)
+        assert got == greedy_token_ids(engines.get("target"), prompts, MAX_TOKENS)
         assert llm.collective_rpc("gsd_test_skew_trees", args=(1,)) == [False, True]
         capfd.readouterr()
         with pytest.raises(EngineDeadError):
-            _greedy(llm, _prompts(tokenizer))
+            greedy_token_ids(llm, prompts, MAX_TOKENS)
     finally:
         llm.llm_engine.engine_core.shutdown()
     logs = capfd.readouterr()

@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from scripts.tools.server import scrape_metrics, server_env, vllm_command, wait_healthy
+from vllm_gsd.testing.engines import greedy_params
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 
@@ -52,11 +53,8 @@ NEAR_TIE_NATS = 0.25  # the bf16 batch-dependence margins seen on Qwen2.5 were 0
 def target_alone(engines, prompt: str):
     """The target under vLLM's defaults, this prompt alone: token ids, and the top-2 logprobs
     at every position."""
-    from vllm import SamplingParams
-
     out = engines.get("target_defaults").generate(
-        [prompt], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
-        use_tqdm=False)[0].outputs[0]
+        [prompt], greedy_params(MAX_TOKENS, logprobs=2), use_tqdm=False)[0].outputs[0]
     return list(out.token_ids), out.logprobs
 
 
@@ -106,15 +104,13 @@ def test_vllm_serve_as_the_readme_writes_it(engines, tiny_models, tmp_path):
 
 
 def test_llm_as_the_readme_writes_it(engines, tiny_models):
-    from vllm import SamplingParams
-
     from vllm_gsd.engine.metrics import gsd_stats
 
     scope = {"TARGET": tiny_models["target"], "DRAFT": tiny_models["perturbed"]}
     exec(readme_block("python", "LLM("), scope)  # noqa: S102 - the README's own example
     llm = scope["llm"]
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        params = greedy_params(MAX_TOKENS)
         for prompt in PROMPTS:
             got = list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
             assert_target_up_to_near_ties(got, *target_alone(engines, prompt))

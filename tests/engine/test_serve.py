@@ -7,7 +7,7 @@ import requests
 
 from scripts.tools import load
 from scripts.tools.server import scrape_metrics, serve, wait_drained
-from vllm_gsd.testing.engines import default_gsd_config, gsd_config
+from vllm_gsd.testing.engines import default_gsd_config, greedy_params, gsd_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 
@@ -31,10 +31,7 @@ def gsd_server(request, tiny_models, tmp_path_factory):
 
 
 def _offline_greedy(engines, prompts, max_tokens):
-    from vllm import SamplingParams
-
-    outs = engines.get("target").generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    outs = engines.get("target").generate(prompts, greedy_params(max_tokens), use_tqdm=False)
     return [o.outputs[0].text for o in outs]
 
 
@@ -50,13 +47,10 @@ def test_completions_equal_offline_target(gsd_server, engines, tiny_models):
 
 
 def test_chat_equals_offline_target(gsd_server, engines, tiny_models):
-    from vllm import SamplingParams
-
     url, _ = gsd_server
     messages = [{"role": "user", "content": "write a loop"}]
     want = engines.get("target").chat(
-        messages, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-        chat_template=CHAT_TEMPLATE, use_tqdm=False)[0].outputs[0].text
+        messages, greedy_params(20), chat_template=CHAT_TEMPLATE, use_tqdm=False)[0].outputs[0].text
     reply = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
         "model": tiny_models["target"], "messages": messages, "max_tokens": 20,
         "temperature": 0.0, "ignore_eos": True})

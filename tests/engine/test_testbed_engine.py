@@ -13,6 +13,7 @@ import os
 import pytest
 
 from vllm_gsd.testing import tiny_models
+from vllm_gsd.testing.engines import greedy_params
 from vllm_gsd.testing.prompts import tiny_prompts
 
 pytestmark = pytest.mark.engine
@@ -52,10 +53,7 @@ def hf_target(tiny_target_path):
 
 
 def _vllm_greedy(llm, prompts: list[str], max_tokens: int = MAX_NEW_TOKENS):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return llm.generate(prompts, params, use_tqdm=False)
+    return llm.generate(prompts, greedy_params(max_tokens), use_tqdm=False)
 
 
 def _long_prompt(tokenizer, num_tokens: int) -> str:

@@ -1,4 +1,6 @@
-"""Tiny-model vLLM engines for tests and benchmarks: configurations and counter readers.
+"""Tiny-model vLLM engines for tests and benchmarks: configurations, the requests the engine
+tests send (prompts as token ids, greedy sampling parameters, the token ids that come back) and
+counter readers.
 
 Exactness is tested in float32: in bf16 vLLM's own greedy output depends on the batch it runs
 in (shared/reference/cpu-environment.md).
@@ -58,6 +60,30 @@ def make_llm(model: str, speculative_config: dict | None = None, **kwargs):
     finally:
         if lifted is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = lifted
+
+
+def token_prompts(tokenizer, texts) -> list[dict]:
+    """Each text as a prompt of token ids (no special tokens), as the engine tests send them."""
+    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
+
+
+def greedy_params(max_tokens: int, **kw):
+    """SamplingParams of a greedy request that runs `max_tokens` tokens (ignore_eos; `kw` are
+    further SamplingParams fields, ignore_eos=False included)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **{"ignore_eos": True, **kw})
+
+
+def token_ids(llm, prompts, params) -> list[list[int]]:
+    """The output token ids of each prompt (its first completion) of one `llm.generate` call;
+    `params` is one SamplingParams or one per prompt."""
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def greedy_token_ids(llm, prompts, max_tokens: int) -> list[list[int]]:
+    """token_ids of a greedy generate call: greedy_params(max_tokens) for every prompt."""
+    return token_ids(llm, prompts, greedy_params(max_tokens))
 
 
 def gsd_config(draft: str, node_budget: int = NODE_BUDGET, **knobs) -> dict:
