@@ -20,6 +20,7 @@ from vllm_gsd.testing.engines import (  # noqa: E402
     GSD_KNOBS,
     REDUCED_DRAFT_VOCAB,
     TEST_REASONING,
+    TEST_STRUCTURED_OUTPUTS,
     WIDE_GSD,
     default_gsd_config,
     gsd_config,
@@ -70,16 +71,18 @@ class _Engines:
             target = self.models["target"]
             if name == "target":
                 # The reasoning markers act only on requests with a thinking_token_budget.
-                llm = make_llm(target, reasoning_config=TEST_REASONING)
+                llm = make_llm(target, reasoning_config=TEST_REASONING, structured_outputs_config=TEST_STRUCTURED_OUTPUTS)
             elif name == "target_defaults":
                 from vllm import LLM
 
                 llm = LLM(target)  # vLLM's defaults, as the README's examples run (KV cache: the env's)
             elif name == "gsd":
-                llm = make_llm(target, gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING)
+                llm = make_llm(target, gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING,
+                               structured_outputs_config=TEST_STRUCTURED_OUTPUTS)
             elif name == "gsd_defaults":
                 # What users run: GSD's default knobs, the adaptive budget cutting trees under load.
-                llm = make_llm(target, default_gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING)
+                llm = make_llm(target, default_gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING,
+                               structured_outputs_config=TEST_STRUCTURED_OUTPUTS)
             elif name == "gsd_wide":
                 llm = make_llm(target, gsd_config(self.models["perturbed"], WIDE_GSD["num_speculative_tokens"],
                                                   **WIDE_GSD["gsd"]))

@@ -1,7 +1,7 @@
 """Request options with trees: each is honoured exactly, and a request carrying it is verified
 as a tree (penalties, bad words, allowed token ids, logit bias, min_p, min_tokens, logprobs and
-logprob token ids, extra_args) or, where a tree cannot honour it, served without one (a grammar,
-the thinking budget). Sampled options (min_p) are tested for their distribution in
+logprob token ids, extra_args, a grammar) or, where a tree cannot honour it, served without one
+(the thinking budget). Sampled options (min_p) are tested for their distribution in
 test_gsd_sampling.py.
 
 Every option test compares a gsd engine with the target alone on the same batch, with the
@@ -162,18 +162,52 @@ def test_n_greater_than_one(engines, tokenizer):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
 
-@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
-def test_structured_output_is_served_exactly(engines, tokenizer, gsd_engine):
+# Bounded values: the tiny target would otherwise write one integer to max_tokens.
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["size", "ok", "kind"],
+               "properties": {"size": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"},
+                              "kind": {"enum": ["import", "def", "class"]}}}
+
+
+def _structured(**kind):
     from vllm.sampling_params import StructuredOutputsParams
 
-    params = _params(max_tokens=8, ignore_eos=False,
-                     structured_outputs=StructuredOutputsParams(choice=["import os", "def f"]))
-    prompts = _prompts(tokenizer)
-    got = engines.get(gsd_engine).generate(prompts + prompts, [params] * 4 + [_params()] * 4, use_tqdm=False)
-    want = engines.get("target").generate(prompts + prompts, [params] * 4 + [_params()] * 4, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert all(o.outputs[0].text in ("import os", "def f") for o in got[:4])
-    if gsd_engine == "gsd":  # a grammar gets no tree (yet); the plain requests beside it do
-        from vllm_gsd.testing.engines import acceptance_of
+    return _params(max_tokens=96, ignore_eos=False, structured_outputs=StructuredOutputsParams(**kind))
 
-        assert [acceptance_of([o])[0] > 0 for o in got] == [False] * 4 + [True] * 4
+
+@pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
+@pytest.mark.parametrize("kind", [
+    {"choice": ["import os", "def f", "class A:\n    def f(self):\n        return 1"]},
+    {"regex": r"(def [a-z]{1,8}\(\):|import [a-z]{2,6})\n"},
+    {"json": JSON_SCHEMA},  # compact JSON (the engines' structured_outputs_config)
+], ids=["choice", "regex", "json"])
+def test_structured_output_is_served_exactly_with_trees(engines, tokenizer, gsd_engine, kind):
+    """A grammar over trees: every tree row masked with the grammar's state after its own path.
+    The target's tokens, output the grammar allows (JSON that parses and fits the schema), and
+    on the free-tree engine the grammar requests were verified as trees (a tree whose nodes the
+    grammar all refuses is cut to nothing, so a short output may run plain steps only)."""
+    import json
+    import re
+
+    from vllm_gsd.testing.engines import acceptance_of
+
+    prompts = _prompts(tokenizer)
+    params = [_structured(**kind)] * 4 + [_params()] * 4
+    got = engines.get(gsd_engine).generate(prompts + prompts, params, use_tqdm=False)
+    want = engines.get("target").generate(prompts + prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    texts = [o.outputs[0].text for o in got[:4]]
+    if "choice" in kind:
+        assert all(t in kind["choice"] for t in texts), texts
+    elif "regex" in kind:
+        assert all(re.fullmatch(kind["regex"], t) for t in texts), texts
+    else:
+        for text in texts:
+            value = json.loads(text)
+            assert set(value) == {"size", "ok", "kind"} and value["size"] in (1, 2, 3), value
+            assert isinstance(value["ok"], bool) and value["kind"] in ("import", "def", "class"), value
+    unconstrained = _token_ids(engines.get("target"), prompts, _params(max_tokens=48))
+    assert [list(o.outputs[0].token_ids) for o in want[:4]] != unconstrained  # the grammar is visible
+    if gsd_engine == "gsd":
+        verified = [acceptance_of([o]) for o in got]
+        assert sum(steps for steps, _ in verified[:4]) > 0 and sum(a for _, a in verified[:4]) > 0, verified
+        assert all(steps > 0 for steps, _ in verified[4:]), verified

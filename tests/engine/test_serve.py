@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 
 from scripts.tools import load
 from scripts.tools.server import scrape_metrics, serve, wait_drained
-from vllm_gsd.testing.engines import default_gsd_config, greedy_params, gsd_config
+from vllm_gsd.testing.engines import TEST_STRUCTURED_OUTPUTS, default_gsd_config, greedy_params, gsd_config
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 
@@ -26,7 +28,8 @@ def gsd_server(request, tiny_models, tmp_path_factory):
     speculative_config = (gsd_config(tiny_models["perturbed"]) if request.param == "free_trees"
                           else default_gsd_config(tiny_models["perturbed"]))
     with serve(tiny_models["target"], speculative_config, log_path,
-               ["--chat-template", CHAT_TEMPLATE, *load.SERVER_ARGS]) as server:
+               ["--chat-template", CHAT_TEMPLATE, "--structured-outputs-config", json.dumps(TEST_STRUCTURED_OUTPUTS),
+                *load.SERVER_ARGS]) as server:
         yield server.url, log_path
 
 
@@ -58,6 +61,40 @@ def test_chat_equals_offline_target(gsd_server, engines, tiny_models):
     assert reply.json()["choices"][0]["message"]["content"] == want
 
 
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["size", "ok"],
+               "properties": {"size": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}}}
+
+
+def test_json_mode_and_tool_calls_through_the_openai_api(gsd_server, engines, tiny_models):
+    """`response_format` with a JSON schema, and a named tool call (vLLM constrains its
+    arguments with the function's schema): both grammars run over trees. The JSON is the target's
+    and fits the schema; the tool call's arguments parse and fit the function's parameters."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    url, _ = gsd_server
+    messages = [{"role": "user", "content": "describe the loop as json"}]
+    reply = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": tiny_models["target"], "messages": messages, "max_tokens": 48, "temperature": 0.0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": JSON_SCHEMA}}})
+    assert reply.status_code == 200, reply.text
+    content = reply.json()["choices"][0]["message"]["content"]
+    want = engines.get("target").chat(
+        messages, greedy_params(48, ignore_eos=False, structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA)),
+        chat_template=CHAT_TEMPLATE, use_tqdm=False)[0].outputs[0].text
+    assert content == want
+    value = json.loads(content)
+    assert set(value) == {"size", "ok"} and value["size"] in (1, 2, 3) and isinstance(value["ok"], bool)
+
+    tool = {"type": "function", "function": {"name": "set_size", "parameters": JSON_SCHEMA}}
+    reply = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": tiny_models["target"], "messages": messages, "max_tokens": 48, "temperature": 0.0,
+        "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "set_size"}}})
+    assert reply.status_code == 200, reply.text
+    call = reply.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    arguments = json.loads(call["arguments"])
+    assert call["name"] == "set_size" and set(arguments) == {"size", "ok"} and arguments["size"] in (1, 2, 3)
+
+
 def test_streaming_and_metrics(gsd_server, tiny_models):
     url, _ = gsd_server
     reply = requests.post(f"{url}/v1/completions", timeout=120, stream=True, json={
@@ -71,29 +108,30 @@ def test_streaming_and_metrics(gsd_server, tiny_models):
 
 
 def test_a_request_served_without_a_tree_is_logged_once_with_why(gsd_server, engines, tiny_models):
-    """A grammar is filled in by vLLM's structured-output manager for a chain of drafts: the
-    request decodes plainly (the target's own tokens) and the server log says so, once, naming
-    the option. A penalty, which trees honour, is not logged."""
+    """Repetition detection stops a request on its own output, step by step: the request decodes
+    plainly (the target's own tokens) and the server log says so, once, naming the option. A
+    penalty and a grammar, which trees honour, are not logged."""
     from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.sampling_params import RepetitionDetectionParams
 
     url, log_path = gsd_server
-    choice = ["import os", "def f"]
-    body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12,
-            "temperature": 0.0, "structured_outputs": {"choice": choice}}
+    detection = {"max_pattern_size": 4, "min_count": 3}
+    body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 24,
+            "temperature": 0.0, "ignore_eos": True, "repetition_detection": detection}
     replies = [requests.post(f"{url}/v1/completions", timeout=120, json=body) for _ in range(2)]
     want = engines.get("target").generate(
-        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=12,
-                                     structured_outputs=StructuredOutputsParams(choice=choice)),
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                     repetition_detection=RepetitionDetectionParams(**detection)),
         use_tqdm=False)[0].outputs[0].text
-    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want] and want in choice
-    penalized = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12,
-                 "temperature": 0.0, "ignore_eos": True, "presence_penalty": 0.5}
-    assert requests.post(f"{url}/v1/completions", timeout=120, json=penalized).status_code == 200
+    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want]
+    for option in ({"presence_penalty": 0.5}, {"structured_outputs": {"choice": ["import os", "def f"]}}):
+        body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.0,
+                **option}
+        assert requests.post(f"{url}/v1/completions", timeout=120, json=body).status_code == 200
     log = log_path.read_text(errors="replace").splitlines()
-    lines = [line for line in log if "is served without speculation (structured output)" in line]
+    lines = [line for line in log if "is served without speculation (repetition_detection)" in line]
     assert len(lines) == 2, lines  # one per request, each once
-    assert not [line for line in log if "is served without speculation" in line and "penalt" in line]
+    assert len([line for line in log if "is served without speculation" in line]) == 2
 
 
 # ------------------------------------------------------------------------------------ load

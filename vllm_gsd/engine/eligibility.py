@@ -2,10 +2,9 @@
 
 The tree path processes every target row as vLLM's sampler processes a request's next token,
 with the history of the row's own path (engine/node_processing.py): temperature, top-k, top-p,
-min_p, penalties, bad words, allowed token ids, logit bias and min_tokens. What a tree cannot
-honour yet: a grammar (structured output; vLLM's structured-output manager fills its bitmask for
-a chain of drafts), the thinking budget (its state follows a chain of drafts), and repetition
-detection. Such a request is served exactly, without speculation: `tree_refusal_reason` says
+min_p, penalties, bad words, allowed token ids, logit bias and min_tokens; a grammar's bitmask
+row by row along each node's path (engine/scheduler_hooks.py). What a tree cannot honour yet:
+the thinking budget (its state follows a chain of drafts) and repetition detection. Such a request is served exactly, without speculation: `tree_refusal_reason` says
 why, once per request in the log.
 """
 
@@ -20,7 +19,6 @@ def tree_refusal_reason(sampling_params: Any, num_output_tokens: int) -> str | N
         return "not a generation request"
     p = sampling_params
     checks = (
-        (p.structured_outputs is not None, "structured output"),
         (p.thinking_token_budget is not None, "thinking_token_budget"),
         (p.repetition_detection is not None, "repetition_detection"),
     )

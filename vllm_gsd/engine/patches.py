@@ -71,6 +71,19 @@ CONFIG_PATCHES = [
         wrap=impl.wrap_rebind_kernels,
     ),
     Patch(
+        target="vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
+        why="a structured-output request's tree keeps the nodes its grammar allows along their own "
+            "paths (vLLM checks drafts as a chain)",
+        scope="config",
+        wrap="vllm_gsd.engine.scheduler_hooks:wrap_update_draft_token_ids",
+    ),
+    Patch(
+        target="vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask",
+        why="a grammar-bitmask row per tree row, the state after that row's path",
+        scope="config",
+        wrap="vllm_gsd.engine.scheduler_hooks:wrap_grammar_bitmask",
+    ),
+    Patch(
         target="vllm.v1.executor.ray_env_utils:_RAY_WORKER_PRE_IMPORT_ENV_VARS",
         why="Ray workers get PROMETHEUS_MULTIPROC_DIR when Ray starts them, before they import "
             "prometheus_client (which picks its multiprocess mode then): their vllm:gsd_* counters "
@@ -161,6 +174,12 @@ WORKER_PATCHES: list[Patch] = [
         wrap=_HOOKS + "wrap_propose_draft_token_ids",
     ),
     Patch(
+        target=f"{_RUNNER}.take_draft_token_ids",
+        why="the scheduler gets each structured-output request's tree with its drafts",
+        scope="worker",
+        wrap=_HOOKS + "wrap_take_draft_token_ids",
+    ),
+    Patch(
         target=f"{_RUNNER}._input_fits_in_drafter",
         why="room for the tree is checked per request, not for the whole batch",
         scope="worker",
@@ -224,6 +243,12 @@ USES: list[Uses] = [
          "context-lookup nodes (engine/lookup.py)", "worker"),
     Uses("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import",
          "puts _RAY_WORKER_PRE_IMPORT_ENV_VARS into the Ray actors' runtime_env (engine/ray_env.py)", "config"),
+    Uses("vllm.v1.structured_output:StructuredOutputManager._get_constraint_bounds",
+         "whether a request's grammar applies from its next token (engine/scheduler_hooks.py)", "config"),
+    Uses("vllm.v1.structured_output:StructuredOutputManager._fill_bitmasks",
+         "fills a tree row's grammar bitmask (engine/scheduler_hooks.py)", "config"),
+    Uses("vllm.v1.structured_output:ConstraintBounds", "a grammar that applies from the next token", "config"),
+    Uses("vllm.v1.outputs:DraftTokenIds", "TreeDraftTokenIds's base", "config"),
 ]
 
 # Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the

@@ -24,6 +24,9 @@ GSD_KNOBS = {"top_k": 3, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.
 CPU_LIKE_COSTS = {"target": [[1, 1.0], [8, 1.0], [16, 2.0]], "draft": [[1, 0.1]]}
 # The tiny target's reasoning markers, for the thinking-budget tests (vLLM's ReasoningConfig).
 TEST_REASONING = {"reasoning_start_str": " think", "reasoning_end_str": " done"}
+# Compact JSON under a grammar (vLLM's xgrammar backend reads it per engine): the tiny target
+# would otherwise write whitespace between JSON fields up to max_tokens.
+TEST_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 # The widest tree vLLM's plumbing allows, at the chain's depth: for the acceptance comparison.
 WIDE_GSD = {"num_speculative_tokens": 128,
             "gsd": {"top_k": 4, "max_depth": 4, "merge_ngram": 1, "min_child_ratio": 0.0, "leaf_prob": 0.0,
