@@ -46,7 +46,7 @@ class RequestOptions:
 def options_of(params, prompt_token_ids: Sequence[int] | None, output_token_ids: Sequence[int]) -> RequestOptions | None:
     """The options of a request with vLLM SamplingParams `params`; None if it has none."""
     options = RequestOptions(
-        prompt_token_ids=prompt_token_ids or (),
+        prompt_token_ids=() if prompt_token_ids is None else prompt_token_ids,
         output_token_ids=output_token_ids,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,

@@ -3,7 +3,11 @@
 `draft_children(head, hidden, ...)` returns the top_k children of each row: for greedy requests
 the top-k of the draft's softmax, for sampled requests the Gumbel-top-k of the draft's processed
 scores under the request's own sampling and the noise of the children's position
-(engine/sampling.py), with probabilities under the noisy softmax. The LM head and its softmax run
+(engine/sampling.py), with probabilities under the noisy softmax. A request with options the
+target's rows apply (penalties, allowed ids, logit bias, bad words, min_tokens, min_p:
+engine/node_processing.py) has its draft logits processed with them first, with its committed
+output as the history (a row's own path is left out: it decides only what is proposed, never
+what is accepted), so its children are tokens the target may pick. The LM head and its softmax run
 in row chunks (one [chunk, V] float32 copy at a time). A reduced head (engine/draft_head.py)
 scores its kept ids and the step's extra ones (`step_vocabulary`): the softmax is over those,
 and the other ids are never children.
@@ -19,6 +23,7 @@ import torch
 from vllm_gsd.engine.draft_head import DraftHead, logit_columns, top_children, widen
 from vllm_gsd.engine.drafter.batch import DraftBatch
 from vllm_gsd.engine.drafter.choose import Candidate
+from vllm_gsd.engine.node_processing import min_p_of_rows, process_rows
 from vllm_gsd.engine.sampling import processed_scores
 from vllm_gsd.engine.scorer import rows_per_chunk
 from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
@@ -52,6 +57,9 @@ def step_vocabulary(head: DraftHead, batch: DraftBatch, candidates: list[Candida
         params = batch.sampling_params[c.batch_row]
         if params is not None:
             ids.append(np.fromiter(params.all_stop_token_ids, dtype=token_ids.dtype))
+            # Ids the request's options single out: the only ones it allows, or a bias favours.
+            singled_out = [*(params.allowed_token_ids or ()), *(params.logit_bias or {})]
+            ids.append(np.asarray([int(t) for t in singled_out], dtype=token_ids.dtype))
     ids = np.unique(np.concatenate(ids))
     extra_ids = torch.from_numpy(ids[(ids >= head.kept) & (ids < head.vocab_size)].astype(np.int64))
     return Vocabulary(extra_ids, logit_columns(head.kept, extra_ids))
@@ -71,20 +79,42 @@ def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size
     if candidates is not None:
         sampled = np.asarray([candidates[b].sampling is not None for b in request_index], dtype=bool)
     chunk = rows_per_chunk(vocab_size)
+    options = np.zeros(hidden.shape[0], dtype=bool)
+    if candidates is not None:
+        options = np.asarray([candidates[b].options is not None for b in request_index], dtype=bool)
     for lo in range(0, hidden.shape[0], chunk):
         logits = head(hidden[lo:lo + chunk]) if columns is None else head(hidden[lo:lo + chunk], extra_ids)
         rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
-        greedy = rows[~sampled[rows]]
+        greedy = rows[~sampled[rows] & ~options[rows]]
         if greedy.size:
             tokens[greedy], probs[greedy] = top_children(logits[greedy - lo], top_k, columns)
+        constrained = rows[~sampled[rows] & options[rows]]
+        if constrained.size:
+            scores = _processed(logits[constrained - lo], columns, head.vocab_size, candidates,
+                                request_index[constrained])
+            tokens[constrained], probs[constrained] = top_children(scores, top_k)
         drawn = rows[sampled[rows]]
         if drawn.size:
-            scores = logits[drawn - lo]
-            if columns is not None:  # the noise and the sampling knobs index the whole vocabulary
-                scores = widen(scores, columns, head.vocab_size)
+            scores = _processed(logits[drawn - lo], columns, head.vocab_size, candidates, request_index[drawn])
             tokens[drawn], probs[drawn] = _sampled_children(scores, top_k, candidates, request_index[drawn],
                                                             depth[drawn])
     return Children(tokens, probs)
+
+
+def _processed(logits: torch.Tensor, columns: torch.Tensor | None, vocab_size: int, candidates: list[Candidate],
+               request_index: np.ndarray) -> torch.Tensor:
+    """float32 [R, vocab_size]: rows of a (reduced) head's logits over the whole vocabulary (the
+    noise, the sampling knobs and the options index it), with each request's options applied."""
+    scores = widen(logits, columns, vocab_size) if columns is not None else logits
+    row_options = [candidates[b].options for b in request_index]
+    if all(o is None for o in row_options):
+        return scores
+    processed = process_rows(scores.to(torch.float32, copy=True), row_options, [[]] * len(row_options))
+    # A row its options leave nothing in (say, allowed ids the head does not score) keeps the
+    # draft's own scores: its children will not be accepted, but they are well defined.
+    empty = torch.isneginf(processed).all(dim=-1)
+    processed[empty] = scores[empty].to(torch.float32)
+    return processed
 
 
 def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candidate], request_index: np.ndarray,
@@ -96,7 +126,8 @@ def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candida
     scores = processed_scores(
         logits, torch.tensor([s.temperature for s in settings], device=device),
         None if all(k == vocab for k in row_top_k) else torch.tensor(row_top_k, device=device),
-        None if all(p >= 1.0 for p in row_top_p) else torch.tensor(row_top_p, device=device))
+        None if all(p >= 1.0 for p in row_top_p) else torch.tensor(row_top_p, device=device),
+        min_p_of_rows([candidates[b].options for b in request_index], device))
     # Children of a depth-d row sit at position root_pos + d + 1.
     positions = np.asarray([candidates[b].root_pos for b in request_index]) + depth + 1
     noise = gumbel_noise(np.asarray([s.noise_key for s in settings]), positions, vocab, device)

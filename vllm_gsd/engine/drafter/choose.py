@@ -19,6 +19,7 @@ from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.engine.draft_kv import DraftKvLedger, DraftProgress
 from vllm_gsd.engine.drafter.batch import DraftBatch
 from vllm_gsd.engine.eligibility import tree_refusal_reason
+from vllm_gsd.engine.node_processing import RequestOptions, options_of
 from vllm_gsd.engine.sampling import is_sampled, noise_key
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -43,6 +44,9 @@ class Candidate:
     catch_up_from: int  # first position whose draft KV is missing
     root_pos: int  # position of the root (the last sampled token)
     sampling: Sampling | None  # None: greedy (the draft's deterministic top-k)
+    # What the target's rows will apply beyond temperature, top-k and top-p (penalties, allowed
+    # ids, logit bias, ...): the children are chosen under it too (drafter/children.py).
+    options: RequestOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,8 @@ class CandidateChooser:
                 continue
             # The root is run again when the draft already holds it: its logits are needed.
             candidates.append(Candidate(i, req_id, min(progress.known, root_pos), root_pos,
-                                        self._sampling_of(req_id, batch.sampling_params[i])))
+                                        self._sampling_of(req_id, batch.sampling_params[i]),
+                                        _options_of(batch, i)))
         return Chosen(candidates, num_plain)
 
     def advance(self, batch: DraftBatch, candidates: list[Candidate]) -> None:
@@ -133,6 +138,16 @@ class CandidateChooser:
         allocated = int(block_table.num_blocks_per_row[batch_row]) * block_table.block_size
         last_slot = root_pos + self.node_budget
         return last_slot < self.draft_max_model_len and last_slot < allocated
+
+
+def _options_of(batch: DraftBatch, batch_row: int) -> RequestOptions | None:
+    params = batch.sampling_params[batch_row]
+    if params is None:
+        return None
+    num_tokens = int(batch.num_tokens_no_spec[batch_row])
+    num_prompt = num_tokens - batch.num_output_tokens[batch_row]
+    tokens = batch.token_ids[batch_row]
+    return options_of(params, tokens[:num_prompt], tokens[num_prompt:num_tokens])
 
 
 def tokens_left(batch: DraftBatch, candidates: list[Candidate]) -> float:
