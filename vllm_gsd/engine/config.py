@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from vllm_gsd.engine import LOGGER_NAME
-from vllm_gsd.graph.params import GraphParams
 
 if TYPE_CHECKING:
     from vllm.config import SpeculativeConfig
+
+    from vllm_gsd.graph.params import GraphParams
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -100,7 +101,11 @@ class GsdConfig(BaseModel):
     tokens (engine/draft_head.py). 0 = the whole vocabulary. Only proposals change."""
 
     def graph_params(self, node_budget: int) -> GraphParams:
-        """The graph core's parameters for these knobs and node budget N."""
+        """The graph core's parameters for these knobs and node budget N. The graph core is
+        imported here, where a gsd worker builds its drafter: it loads numba (and llvmlite), which
+        loading the plugin, in every process vLLM starts, must not."""
+        from vllm_gsd.graph.params import GraphParams
+
         return GraphParams(node_budget=node_budget, top_k=self.top_k, max_depth=self.max_depth,
                            merge_ngram=self.merge_ngram, min_child_ratio=self.min_child_ratio,
                            leaf_prob=self.leaf_prob)
