@@ -4,8 +4,9 @@ vLLM calls `register()` once per process: in the API server / offline process, i
 core and in every worker (multiprocessing or Ray). Calling it again is a no-op. Nothing heavy is
 imported at module level.
 
-In the pinned vLLM it applies the config-scope patches (engine/patches.py); worker-scope patches
-are applied when a gsd worker is constructed.
+In the pinned vLLM it applies the config-scope patches of the vLLM 0.32 adapter
+(vllm_v0_32/patches.py); worker-scope patches are applied when a gsd worker is constructed. A
+newer vLLM would be served by a sibling adapter package, chosen here by version (docs/porting.md).
 
 In any other vLLM it never raises: vLLM loads every installed plugin in every process, so a
 plugin that raises there stops every engine of the environment, those that never asked for gsd
@@ -26,7 +27,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_gsd.engine import registry
+    from vllm_gsd.vllm_v0_32 import registry
 
     found = registry.installed_vllm_version()
     if found != registry.PINNED_VLLM_VERSION:
@@ -36,7 +37,7 @@ def register() -> None:
             "%s Engines without it run as without vllm-gsd.", registry.version_mismatch(found))
         _refuse_gsd_engines(found)
     else:
-        from vllm_gsd.engine import patches
+        from vllm_gsd.vllm_v0_32 import patches
 
         patches.declare_all()
         registry.apply("config")
@@ -55,7 +56,7 @@ def _refuse_gsd_engines(found: str) -> None:
     (`--spec-method`), with `getattr`, and otherwise calls vLLM's method unchanged. Where the
     entry point is gone nothing is installed: the warning has said that gsd is unavailable.
     """
-    from vllm_gsd.engine import registry
+    from vllm_gsd.vllm_v0_32 import registry
 
     try:
         from vllm.engine.arg_utils import EngineArgs

@@ -2,7 +2,7 @@
 saved (target and draft), and serves the same tokens; a draft_model engine with the same draft
 loads gsd's compiled target.
 
-vLLM 0.32 alone fails that load on CPU and compiles again at every start (engine/patches.py,
+vLLM 0.32 alone fails that load on CPU and compiles again at every start (vllm_v0_32/config_patches.py,
 `_add_noop_finalize_loading`), and keys gsd's target apart from the chain's by a flag that
 follows async scheduling (`_keep_the_targets_compile_key`). VLLM_FORCE_AOT_LOAD=1 makes a failed
 or missing load an error, so a later engine starts only if both saved models load.

@@ -35,8 +35,8 @@ def builder(vllm_config):
     from vllm.config import set_current_vllm_config
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from vllm_gsd.engine.gpu_attention import GsdTritonAttentionMetadataBuilder
     from vllm_gsd.engine.tree_batch import TreeSlot
+    from vllm_gsd.vllm_v0_32.attention.triton_backend import GsdTritonAttentionMetadataBuilder
 
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
                              dtype=torch.float32)
@@ -49,7 +49,7 @@ def builder(vllm_config):
 def make_impl(vllm_config, **features):
     from vllm.config import set_current_vllm_config
 
-    from vllm_gsd.engine.gpu_attention import GsdTritonAttentionImpl
+    from vllm_gsd.vllm_v0_32.attention.triton_backend import GsdTritonAttentionImpl
 
     args = dict(num_heads=NUM_HEADS, head_size=HEAD_SIZE, scale=HEAD_SIZE ** -0.5, num_kv_heads=NUM_KV_HEADS,
                 alibi_slopes=None, sliding_window=None, kv_cache_dtype="auto")
@@ -243,7 +243,7 @@ def test_full_cuda_graphs_are_refused(mode):
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_gsd.engine.config_patches import _keep_attention_out_of_cuda_graphs
+    from vllm_gsd.vllm_v0_32.config_patches import _keep_attention_out_of_cuda_graphs
 
     with pytest.raises(ValueError, match=f"cudagraph_mode={mode}"):
         _keep_attention_out_of_cuda_graphs(CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
@@ -252,7 +252,7 @@ def test_full_cuda_graphs_are_refused(mode):
 def test_unset_cuda_graph_mode_becomes_piecewise():
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_gsd.engine.config_patches import _keep_attention_out_of_cuda_graphs
+    from vllm_gsd.vllm_v0_32.config_patches import _keep_attention_out_of_cuda_graphs
 
     compilation = SimpleNamespace(cudagraph_mode=None)
     _keep_attention_out_of_cuda_graphs(compilation)
@@ -283,7 +283,7 @@ def _features_config(**overrides):
     ({"cache_config.kv_offloading_size": 4.0}, "KV offloading"),
 ])
 def test_engine_features_the_tree_path_lacks_are_refused_by_name(overrides, named):
-    from vllm_gsd.engine.config_patches import _refuse_unsupported_features
+    from vllm_gsd.vllm_v0_32.config_patches import _refuse_unsupported_features
 
     _refuse_unsupported_features(_features_config())  # the plain config passes
     with pytest.raises(ValueError, match=named):
@@ -291,7 +291,7 @@ def test_engine_features_the_tree_path_lacks_are_refused_by_name(overrides, name
 
 
 def test_several_kv_cache_groups_are_refused():
-    from vllm_gsd.engine.runner_hooks import _refuse_several_kv_groups
+    from vllm_gsd.vllm_v0_32.runner.setup_hooks import _refuse_several_kv_groups
 
     _refuse_several_kv_groups(SimpleNamespace(kv_cache_groups=[object()]))
     with pytest.raises(NotImplementedError, match="several groups"):
@@ -307,7 +307,7 @@ def test_vllms_dummy_sampler_run_goes_through_the_scorer():
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from vllm_gsd.engine.scorer import GsdRejectionSampler, GsdSampler
+    from vllm_gsd.vllm_v0_32.scorer import GsdRejectionSampler, GsdSampler
 
     num_reqs, vocab = 5, 64
     scorer = GsdRejectionSampler(GsdSampler(logprobs_mode="raw_logprobs"))
@@ -331,7 +331,8 @@ def test_vllms_dummy_sampler_run_goes_through_the_scorer():
 def test_compaction_acts_on_the_caches_bound_now():
     """The GPU runner rebuilds its KV caches after profiling: the list compaction uses is taken
     whenever the runner (re)initializes its caches, never cached from the first time."""
-    from vllm_gsd.engine.runner_hooks import GsdRunnerState, wrap_initialize_kv_cache
+    from vllm_gsd.vllm_v0_32.runner.setup_hooks import wrap_initialize_kv_cache
+    from vllm_gsd.vllm_v0_32.runner.state import GsdRunnerState
 
     layers = {"model.layers.0.attn": SimpleNamespace(kv_cache=None),
               "draft_model.layers.0.attn": SimpleNamespace(kv_cache=None)}

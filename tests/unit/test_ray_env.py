@@ -1,4 +1,4 @@
-"""The vllm:gsd_* counters of a Ray worker reach the server's /metrics (engine/ray_env.py)."""
+"""The vllm:gsd_* counters of a Ray worker reach the server's /metrics (vllm_v0_32/ray_env.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_the_ray_runtime_env_carries_the_prometheus_directory(monkeypatch):
     executors call it) gives them the directory, beside the variables vLLM puts there itself."""
     from vllm.v1.executor import ray_env_utils
 
-    from vllm_gsd.engine.ray_env import wrap_pre_import_env_vars
+    from vllm_gsd.vllm_v0_32.ray_env import wrap_pre_import_env_vars
 
     monkeypatch.setattr(ray_env_utils, "_RAY_WORKER_PRE_IMPORT_ENV_VARS",
                         wrap_pre_import_env_vars(ray_env_utils._RAY_WORKER_PRE_IMPORT_ENV_VARS))

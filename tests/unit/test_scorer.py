@@ -23,7 +23,8 @@ ARGMAX = [[6, 3, 11, 1, 2], [4], [9, 10, 12]]
 def _scorer_inputs(temperature: list[float] | None = None, **metadata_fields):
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from vllm_gsd.engine.tree_batch import TreeSpecDecodeMetadata, build_tree_batch
+    from vllm_gsd.engine.tree_batch import build_tree_batch
+    from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
 
     batch = len(PARENTS)
     width = max(map(len, PARENTS))
@@ -51,7 +52,7 @@ def _scorer_inputs(temperature: list[float] | None = None, **metadata_fields):
 def _score(metadata, logits, sampling):
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_gsd.engine.scorer import GsdRejectionSampler, GsdSampler
+    from vllm_gsd.vllm_v0_32.scorer import GsdRejectionSampler, GsdSampler
 
     scorer = GsdRejectionSampler(GsdSampler(logprobs_mode="raw_logprobs"), None, torch.device("cpu"))
     return scorer(metadata, None, logits.clone(), sampling), Sampler.compute_logprobs(logits)

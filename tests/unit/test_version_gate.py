@@ -18,7 +18,7 @@ vllm.__version__ = "0.33.0"
 
 REPORT = r"""
 from vllm.config.speculative import SpeculativeConfig
-from vllm_gsd.engine import registry
+from vllm_gsd.vllm_v0_32 import registry
 print("APPLIED", sorted(registry._APPLIED))
 print("GSD_FIELD", "gsd" in SpeculativeConfig.__dataclass_fields__)
 """
@@ -58,7 +58,7 @@ def _warnings(output: str) -> int:
 
 
 def test_a_gsd_engine_fails_naming_the_supported_version(tmp_path):
-    from vllm_gsd.engine.registry import PINNED_VLLM_VERSION
+    from vllm_gsd.vllm_v0_32.registry import PINNED_VLLM_VERSION
     from vllm_gsd.testing.tiny_models import config_only_model
 
     lines, output = _run(GSD_ENGINE, config_only_model(tmp_path / "model", 512))

@@ -17,7 +17,7 @@ User-facing contract::
 
 `GsdConfig` validates the block (pydantic: every bad value fails with the field's name and its
 allowed range). `finalize_gsd_speculative_config` runs inside `SpeculativeConfig.__post_init__`
-(see engine/patches.py) and checks what only the whole config can tell: the node budget, the
+(see vllm_v0_32/patches.py) and checks what only the whole config can tell: the node budget, the
 draft's vocabulary, the draft's tensor parallelism, an int8 draft the CPU's kernels cannot run.
 """
 

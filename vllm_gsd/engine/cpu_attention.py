@@ -1,38 +1,26 @@
-"""CPU_ATTN with the graph mask for tree rows (engine/graph_attention_backend.py's design).
+"""The graph mask for tree rows over vLLM's CPU paged KV cache, in plain torch: the plan and
+the attention that the CPU_ATTN backend subclass (vllm_v0_32/attention/cpu_backend.py) runs.
 
 vLLM 0.32's C++ CPU kernel knows causal and non-causal masks only. Tree rows are attended in
 float32 (`paged_tree_attention`) under the exact mask of docs/contracts.md (`vllm_gsd.kernels.graph_attention.
 visibility_mask`, the mask the Triton kernel is tested against), reading the paged cache: one
 batched call per layer over the tree requests, padded to the longest. What every layer of a
-forward shares (mask, KV pages to read, rows) is planned once, when the metadata is built.
+forward shares (mask, KV pages to read, rows) is planned once, when the metadata is built
+(`plan_cpu_tree`).
 
 The cache is read in the packing of the ISA vLLM picked for the C++ kernel (kernels/paged_layout.py:
 "vec"/"vec16", or the tiled "amx" of bf16 on CPUs with AMX tiles); on CPUs whose packing this
-package has not checked (ARM, POWER, s390x, RISC-V) the builder pins the portable "vec"/"vec16".
+package has not checked (ARM, POWER, s390x, RISC-V) the backend pins the portable "vec"/"vec16".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from vllm.v1.attention.backends.cpu_attn import (
-    CPUAttentionBackend,
-    CPUAttentionBackendImpl,
-    CPUAttentionMetadata,
-    CPUAttentionMetadataBuilder,
-)
 
-from vllm_gsd.engine.graph_attention_backend import GraphAttentionImpl, GraphMetadataBuilder
-from vllm_gsd.engine.tree_batch import TreeAttention
 from vllm_gsd.kernels.graph_attention import visibility_mask
-from vllm_gsd.kernels.paged_layout import CPU_SUPPORTED_ISAS, CpuPacking, cpu_packing, factor_view
-
-
-@dataclass
-class GsdCpuAttentionMetadata(CPUAttentionMetadata):
-    tree: Any = None  # CpuTreePlan of this forward's tree requests, or None
+from vllm_gsd.kernels.paged_layout import CpuPacking, factor_view
 
 
 @dataclass(frozen=True)
@@ -164,59 +152,3 @@ def _unpacked(half: torch.Tensor, packing: CpuPacking, kind: str, head_size: int
     if by_token:
         return unpacked.view(num, num_kv_heads, -1, head_size)[:, :, :num_keys], True
     return unpacked.view(num, num_kv_heads, head_size, -1)[..., :num_keys], False
-
-
-class GsdCpuAttentionMetadataBuilder(GraphMetadataBuilder, CPUAttentionMetadataBuilder):
-    metadata_cls = GsdCpuAttentionMetadata
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.head_size = kv_cache_spec.head_size
-        if self.isa not in CPU_SUPPORTED_ISAS:
-            # The graph-masked path reads the cache: only in a packing checked against vLLM's.
-            self.pin_portable_packing()
-        self.packing = cpu_packing(self.isa, self.block_size, self.head_size)
-
-    def pin_portable_packing(self) -> None:
-        """Make these layers' kernel (and so their cache) "vec"/"vec16", whatever vLLM picked:
-        before any request writes the cache. For layers whose attention runs mostly
-        graph-masked, where "amx" tiles cost 40-60% more to read than "vec" blocks."""
-        self.isa = "vec" if self.block_size % 32 == 0 else "vec16"
-        self._set_isa_to_layers(self.layer_names)
-        self.packing = cpu_packing(self.isa, self.block_size, self.head_size)
-
-    def plan_tree(self, metadata: CPUAttentionMetadata, tree: TreeAttention) -> CpuTreePlan:
-        request_index = tree.request_index
-        return plan_cpu_tree(metadata.block_table[request_index], metadata.seq_lens[request_index].tolist(),
-                             tree.query_start.tolist(), tree.query_len.tolist(), tree.tree_base.tolist(),
-                             tree.query_tree_row, tree.ancestor_words, self.block_size, tree.covers_all_rows,
-                             self.packing)
-
-
-class GsdCpuAttentionImpl(GraphAttentionImpl, CPUAttentionBackendImpl):
-    platform = "CPU"
-
-    def graph_mask_blockers(self) -> list[str]:
-        return [name for name, active in (
-            ("sliding-window attention", self.sliding_window != -1),
-            ("ALiBi", self.alibi_slopes is not None),
-            ("logit soft-capping", bool(self.logits_soft_cap)),
-            ("attention sinks", self.sinks is not None),
-            ("a quantized KV cache", self.is_fp8_kv_cache),
-        ) if active]
-
-    def attend_tree(self, query, kv_cache, metadata, plan: CpuTreePlan, output) -> None:
-        paged_tree_attention(query.view(query.shape[0], self.num_heads, self.head_size), kv_cache, plan,
-                             self.scale, output.view(output.shape[0], self.num_heads, self.head_size))
-
-
-class GsdCpuAttentionBackend(CPUAttentionBackend):
-    """CPU_ATTN, plus the graph mask for tree rows (see module docstring)."""
-
-    @staticmethod
-    def get_impl_cls() -> type[GsdCpuAttentionImpl]:
-        return GsdCpuAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[GsdCpuAttentionMetadataBuilder]:
-        return GsdCpuAttentionMetadataBuilder

@@ -3,7 +3,7 @@
 The tree path processes every target row as vLLM's sampler processes a request's next token,
 with the history of the row's own path (engine/node_processing.py): temperature, top-k, top-p,
 min_p, penalties, bad words, allowed token ids, logit bias and min_tokens; a grammar's bitmask
-row by row along each node's path (engine/scheduler_hooks.py). What a tree cannot honour yet:
+row by row along each node's path (vllm_v0_32/scheduler_hooks.py). What a tree cannot honour yet:
 the thinking budget (its state follows a chain of drafts) and repetition detection. Such a request is served exactly, without speculation: `tree_refusal_reason` says
 why, once per request in the log.
 """

@@ -173,7 +173,7 @@ def _process_counters() -> dict:
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if directory is not None and not os.path.isdir(directory):
             # A Ray worker on another node than the server gets the driver's path
-            # (engine/ray_env.py): prometheus_client would fail writing the counters there.
+            # (vllm_v0_32/ray_env.py): prometheus_client would fail writing the counters there.
             logger.warning("gsd: PROMETHEUS_MULTIPROC_DIR=%s is not a directory on this node; this "
                            "worker does not export the vllm:gsd_* counters", directory)
             _COUNTERS = {}

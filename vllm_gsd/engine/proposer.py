@@ -6,7 +6,7 @@ Contract (called by the V1 model runner after bookkeeping, like vLLM's CPU-list 
 
 returns, per request of the runner's batch, the flattened tree's node tokens (breadth-first,
 docs/contracts.md), or [] where the request gets no speculation this step. The tree's shape is
-kept in `self.trees[req_id]` for the next step's verification (engine/runner_hooks.py).
+kept in `self.trees[req_id]` for the next step's verification (vllm_v0_32/runner/step_hooks.py).
 
 One step runs the drafter's jobs (engine/drafter/), for the requests that may grow a tree:
 0. Policy (the adaptive node budget, drafter/adaptive.py): at this load, which depth (or plain
@@ -110,7 +110,7 @@ class GsdProposer(DraftModelProposer):
                                            self.vllm_config.parallel_config.tensor_parallel_size)
 
     def record_target_forward(self, num_tokens: int, seconds: float, verified_trees: bool) -> None:
-        """The runner's target forward of this step took `seconds` (engine/runner_hooks.py)."""
+        """The runner's target forward of this step took `seconds` (vllm_v0_32/runner/step_hooks.py)."""
         if self.budget is not None:
             self.budget.record_target_forward(num_tokens, seconds, verified_trees)
 

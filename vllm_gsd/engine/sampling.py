@@ -11,7 +11,7 @@ scorer walks the tree with the target's noisy argmax. So:
   target's Gumbel-max draw given the accepted prefix);
 * a seeded request's text depends only on its seed, prompt and the target, never on the batch,
   the trees or whether a step speculated (its key is its seed, and plain steps draw the root
-  the same way: scorer.GsdSampler);
+  the same way: vllm_v0_32/scorer.py's GsdSampler);
 * a child is accepted when the target's noisy argmax is among the draft's noisy top-k: for a
   draft near the target almost always, at any temperature (a deterministic top-k would cover
   only the target's top-k mass, little at high temperature).
@@ -19,7 +19,8 @@ scorer walks the tree with the target's noisy argmax. So:
 Unseeded requests get a key from their request id and the engine's seed (the same on every
 tensor-parallel rank), and are drawn the same way at every position, tree or not: whether a
 step has a tree depends on the noise that chose the draft's children, so a token drawn with
-that noise only when there is a tree would be biased (engine/runner_hooks.py `_keyed_roots`).
+that noise only when there is a tree would be biased (`_keyed_roots` in
+vllm_v0_32/runner/step_hooks.py).
 """
 
 from __future__ import annotations

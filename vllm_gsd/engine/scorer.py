@@ -1,16 +1,18 @@
-"""Tree verification in vLLM's rejection-sampler slot.
+"""Tree verification, version-independent: the scoring walk that the vLLM adapter's
+rejection sampler (vllm_v0_32/scorer.py, in vLLM's rejection-sampler slot) runs on the step's
+logits.
 
-`GsdRejectionSampler.forward(metadata, draft_probs, logits, sampling_metadata) -> SamplerOutput`
-keeps vLLM's contract: `logits` holds, per request, its `n + 1` verification rows (root, then the
-n tree nodes in breadth-first order), and the result's `sampled_token_ids` is
-`[batch, max_spec_len + 1]`: the accepted path's tokens and then one token of the target, -1
-padded. The scheduler's rollback and every speculative-decoding metric work unchanged.
+`score_trees` takes, per request, its `n + 1` verification rows of `logits` (root, then the n
+tree nodes in breadth-first order) and the target's token at every root row, and returns the
+accepted paths (`vllm_gsd.graph.AcceptedPaths`: the accepted path's tokens and then one token of
+the target, -1 padded, in vLLM's `sampled_token_ids` layout).
 
 The target's token at a row, and the walk (vllm_gsd.graph.walk_tree: follow the child that
 carries the row's token, or emit it and stop):
-* row 0 (the root) of every request: vLLM's own Sampler on the root rows of the whole batch, so
-  requests without a tree (and their penalties, processors) are sampled exactly as without
-  speculation; in a gsd engine that Sampler is `GsdSampler` (below);
+* row 0 (the root) of every request: given by the caller (vLLM's own Sampler on the root rows of
+  the whole batch, so requests without a tree, and their penalties and processors, are sampled
+  exactly as without speculation; in a gsd engine that Sampler is the adapter's `GsdSampler`,
+  which draws the `KeyedRoots` below with keyed noise);
 * rows >= 1 of a greedy request: vLLM's greedy argmax;
 * a sampled request with a tree: walked row by row from the root, each visited row's token the
   Gumbel-max draw argmax(processed scores + G(key, position)) of engine/sampling.py, the noise
@@ -19,79 +21,32 @@ carries the row's token, or emit it and stop):
   a seeded request's text does not depend on the batch.
 Vocabulary-sized float copies are made in row chunks of at most MAX_CHUNK_BYTES.
 
-The result carries the accepted rows too (`TreeSamplerOutput.accepted`): the runner hook moves
-the accepted nodes' KV to consecutive positions (engine/runner_hooks.py).
+`sampling_metadata` is read for `all_greedy`, `temperature`, `top_k` and `top_p` (vLLM's
+SamplingMetadata has them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from vllm.v1.outputs import LogprobsTensors, SamplerOutput
-from vllm.v1.sample.rejection_sampler import RejectionSampler
-from vllm.v1.sample.sampler import Sampler
 
 from vllm_gsd.engine.node_processing import RequestOptions, min_p_of_rows, process_rows, row_paths
 from vllm_gsd.engine.sampling import SAMPLING_EPS, processed_scores
-from vllm_gsd.engine.tree_batch import TreeSpecDecodeMetadata, chain_trees
+from vllm_gsd.engine.tree_batch import TreeBatch, chain_trees
 from vllm_gsd.graph import AcceptedPaths, walk_tree
 from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
 
 
 @dataclass
 class KeyedRoots:
-    """This step's root rows that GsdSampler draws with keyed noise (engine/runner_hooks.py)."""
+    """This step's root rows that GsdSampler draws with keyed noise (vllm_v0_32/runner/step_hooks.py)."""
 
     rows: list[int]  # batch index of each sampled request the tree path serves
     keys: list[int]  # its noise key (engine/sampling.py)
     positions: list[int]  # absolute position of the token each row samples
     min_p: list[float] = field(default_factory=list)  # each row's min_p (vLLM applies it in `sample`)
-
-
-class GsdSampler(Sampler):
-    """vLLM's Sampler, except that the rows in `keyed` are the Gumbel-max draws of
-    engine/sampling.py, as tree rows are: a sampled request draws the same token at a position
-    whether a tree verified it or not. Logprobs follow the token drawn (vLLM gathers them after
-    `sample`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.keyed: KeyedRoots | None = None
-
-    def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
-        # Every row this sampler sees is one request's next token (a plain step's rows, or the
-        # roots of a tree step): vLLM's bonus-token layout. A gsd engine has speculative tokens
-        # configured, so vLLM's thinking-budget state lays its rows out per draft token unless
-        # told so, and would force the end of thinking on the wrong row.
-        return super().forward(logits, sampling_metadata, predict_bonus_token=True,
-                               logprobs_mode_override=logprobs_mode_override)
-
-    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
-        keyed = self.keyed
-        if keyed is None or not keyed.rows or max(keyed.rows) >= logits.shape[0]:
-            return super().sample(logits, sampling_metadata, logprobs_mode_override)
-        rows = torch.tensor(keyed.rows, dtype=torch.int64, device=logits.device)
-        top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
-        # Before vLLM's sampler, which processes the logits in place.
-        min_p = (torch.tensor(keyed.min_p, dtype=torch.float32, device=logits.device)
-                 if any(keyed.min_p) else None)
-        scores = processed_scores(logits[rows], sampling_metadata.temperature[rows],
-                                  None if top_k is None else top_k[rows], None if top_p is None else top_p[rows],
-                                  min_p)
-        sampled, processed_logprobs = super().sample(logits, sampling_metadata, logprobs_mode_override)
-        noise = gumbel_noise(np.asarray(keyed.keys), np.asarray(keyed.positions), logits.shape[-1], logits.device)
-        sampled[rows] = gumbel_argmax(scores, noise).to(sampled.dtype)
-        return sampled, processed_logprobs
-
-
-@dataclass
-class TreeSamplerOutput(SamplerOutput):
-    """vLLM's SamplerOutput plus the accepted paths (rows), which the runner hook needs to
-    compact the KV cache and count what was accepted."""
-
-    accepted: AcceptedPaths | None = None
 
 
 # The most bytes one float32 copy of vocabulary-sized rows may take in the scorer: rows are
@@ -103,7 +58,7 @@ def rows_per_chunk(vocab_size: int) -> int:
     return max(1, MAX_CHUNK_BYTES // (4 * vocab_size))
 
 
-class _PathsOfRows:
+class PathsOfRows:
     """The options of each request of the step and, for requests that have some, the tokens of
     each tree row's path below the root (engine/node_processing.py), computed once a step."""
 
@@ -126,144 +81,106 @@ class _PathsOfRows:
         return self._paths[b]
 
 
-class GsdRejectionSampler(RejectionSampler):
-    """Scores the step's trees; nothing else (the runner hook compacts the KV cache).
+def score_trees(root_tokens: torch.Tensor, logits: torch.Tensor, num_draft: list[int], row_start: torch.Tensor,
+                tree: TreeBatch | None, flat_draft_token_ids: torch.Tensor, sampling_metadata) -> AcceptedPaths:
+    """The accepted path of every request of the step.
 
-    `metadata` is a TreeSpecDecodeMetadata carrying the step's TreeBatch (engine/tree_batch.py);
-    vLLM's own SpecDecodeMetadata (its dummy sampler runs) is scored as chains of its draft
-    tokens, with fresh noise.
+    root_tokens [B]: the target's token at each request's row 0 (logits row row_start[b]);
+    num_draft: each request's node count; flat_draft_token_ids: the step's draft tokens, request
+    after request (vLLM's layout); tree: the step's TreeBatch, or None, where the drafts are
+    scored as chains, with fresh noise (vLLM's dummy sampler runs).
     """
-
-    def forward(self, metadata, draft_probs, logits, sampling_metadata) -> TreeSamplerOutput:
-        tree = metadata.tree if isinstance(metadata, TreeSpecDecodeMetadata) else None
-        num_draft = list(metadata.num_draft_tokens)
-        batch_size = len(num_draft)
-        max_nodes = max(num_draft)
-        rows_per_request = torch.tensor(num_draft, dtype=torch.int64) + 1
-        row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
-        device = logits.device
-
-        # Row 0 of every request: vLLM's sampler, exactly as without speculation. Its history is
-        # the committed output: vLLM would append the step's draft tokens for penalties and bad
-        # words (its bonus row comes after a chain), which the root precedes.
-        root_output = self.sampler(
-            logits=logits[row_start.to(device)],
-            sampling_metadata=replace(sampling_metadata, max_num_logprobs=None,
-                                      logprob_token_ids=None, spec_token_ids=None),
-        )
-        row_target = torch.full((batch_size, max_nodes + 1), -1, dtype=torch.int64, device=device)
-        row_target[:, 0] = root_output.sampled_token_ids[:, 0].long()
-        if max_nodes > 0:
-            if tree is not None:
-                parent_row, depth = tree.parent_row[:, :max_nodes], tree.depth[:, :max_nodes]
-            else:
-                parent_row, depth = chain_trees(num_draft)
-            draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
-            valid = torch.arange(max_nodes)[None, :] < rows_per_request[:, None] - 1
-            draft_token_ids[valid] = metadata.draft_token_ids.cpu().to(torch.int64)
-            self._fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
-                                 tree, sampling_metadata)
-            accepted = walk_tree(draft_token_ids.to(device), parent_row.to(device),
-                                 torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
-        else:  # no request has nodes: each emits its root token (runner_hooks samples such steps plainly)
-            accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
-                                     torch.zeros(batch_size, dtype=torch.int64, device=device))
-        logprobs_tensors = None
-        if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
-            logprobs_tensors = self._path_logprobs(logits, row_start, accepted, sampling_metadata)
-        return TreeSamplerOutput(
-            sampled_token_ids=accepted.output_token_ids.to(torch.int32),
-            logprobs_tensors=logprobs_tensors,
-            accepted=accepted,
-        )
-
-    # --------------------------------------------------------------------------------------
-
-    def _fill_node_rows(self, row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
-                        tree, sampling_metadata):
-        """The target's token at the rows each request's walk needs.
-
-        Greedy requests: vLLM's greedy argmax at rows 1..n (the walk reads any of them). Sampled
-        requests with a tree: `_walk_sampled` draws the rows on their walk (row 0 included).
-        """
-        device = logits.device
-        counts = torch.tensor(num_draft, dtype=torch.int64)
-        if sampling_metadata.all_greedy:
-            sampled = torch.zeros(len(num_draft), dtype=torch.bool)
+    batch_size = len(num_draft)
+    max_nodes = max(num_draft)
+    rows_per_request = torch.tensor(num_draft, dtype=torch.int64) + 1
+    device = logits.device
+    row_target = torch.full((batch_size, max_nodes + 1), -1, dtype=torch.int64, device=device)
+    row_target[:, 0] = root_tokens
+    if max_nodes > 0:
+        if tree is not None:
+            parent_row, depth = tree.parent_row[:, :max_nodes], tree.depth[:, :max_nodes]
         else:
-            sampled = sampling_metadata.temperature.cpu() >= SAMPLING_EPS
-        request_of_row = torch.repeat_interleave(torch.arange(len(num_draft)), counts + 1)
-        local_row = torch.arange(logits.shape[0]) - row_start[request_of_row]
-        greedy_rows = torch.nonzero((counts > 0)[request_of_row] & ~sampled[request_of_row]
-                                    & (local_row > 0)).squeeze(1)
-        chunk = rows_per_chunk(logits.shape[-1])
-        paths = _PathsOfRows(tree, parent_row, draft_token_ids)
-        for lo in range(0, greedy_rows.numel(), chunk):
-            rows = greedy_rows[lo:lo + chunk]
-            requests, local = request_of_row[rows], local_row[rows]
-            row_logits = logits[rows.to(device)]  # vLLM's greedy pick, no fp32 copy without options
-            options = paths.options(requests)
-            if any(o is not None for o in options):
-                row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, local))
-            row_target[requests.to(device), local.to(device)] = row_logits.argmax(dim=-1)
-        walkers = torch.nonzero((counts > 0) & sampled).squeeze(1)
-        if walkers.numel():
-            self._walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids,
-                               tree, sampling_metadata, paths)
+            parent_row, depth = chain_trees(num_draft)
+        draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
+        valid = torch.arange(max_nodes)[None, :] < rows_per_request[:, None] - 1
+        draft_token_ids[valid] = flat_draft_token_ids.cpu().to(torch.int64)
+        fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
+                       tree, sampling_metadata)
+        accepted = walk_tree(draft_token_ids.to(device), parent_row.to(device),
+                             torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
+    else:  # no request has nodes: each emits its root token (the runner samples such steps plainly)
+        accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
+                                 torch.zeros(batch_size, dtype=torch.int64, device=device))
+    return accepted
 
-    @staticmethod
-    def _walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
-                      sampling_metadata, paths: _PathsOfRows) -> None:
-        """Walk the trees of sampled requests, one level per iteration (batched over requests):
-        draw the current row's token with its noise, move to the child carrying it."""
-        device = logits.device
-        vocab = logits.shape[-1]
-        num_nodes = (parent_row >= 0).sum(1)
-        # A request without keys (vLLM's dummy runs) draws fresh noise.
-        keys = (np.asarray([tree.noise_key[b] for b in walkers.tolist()], dtype=np.int64) if tree is not None
-                else np.random.randint(0, 2**62, walkers.numel()))
-        tree_base = (tree.tree_base[walkers.numpy()] if tree is not None else np.zeros(walkers.numel(), np.int64))
-        temperature, top_k, top_p = (sampling_metadata.temperature, sampling_metadata.top_k,
-                                     sampling_metadata.top_p)
-        current = torch.zeros(walkers.numel(), dtype=torch.int64)  # row of each walk
-        active = torch.ones(walkers.numel(), dtype=torch.bool)
-        nodes = torch.arange(1, parent_row.shape[1] + 1)
-        while bool(active.any()):
-            index = torch.nonzero(active).squeeze(1)
-            requests = walkers[index]
-            rows = row_start[requests] + current[index]
-            row_depth = torch.where(current[index] > 0, depth[requests, (current[index] - 1).clamp(min=0)], 0)
-            req = requests.to(device)
-            row_logits = logits[rows.to(device)]
-            options = paths.options(requests)
-            if any(o is not None for o in options):
-                row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, current[index]))
-            scores = processed_scores(row_logits, temperature[req], None if top_k is None else top_k[req],
-                                      None if top_p is None else top_p[req], min_p_of_rows(options, device))
-            noise = gumbel_noise(keys[index.numpy()], tree_base[index.numpy()] + row_depth.numpy() + 1, vocab, device)
-            tokens = gumbel_argmax(scores, noise).cpu()
-            row_target[req, current[index].to(device)] = tokens.to(device)
-            # The lowest-row child of the current row that carries the token (walk_tree's rule).
-            is_child = ((parent_row[requests] == current[index, None]) & (nodes[None, :] <= num_nodes[requests, None])
-                        & (draft_token_ids[requests] == tokens[:, None]))
-            found = is_child.any(1)
-            current[index] = torch.where(found, is_child.int().argmax(1) + 1, current[index])
-            active[index] = found
 
-    def _path_logprobs(self, logits, row_start, accepted: AcceptedPaths, sampling_metadata):
-        """Raw logprobs of every emitted token, from the row that predicted it, as vLLM's Sampler
-        reports them: the top `max_num_logprobs`, or, where any request names
-        `logprob_token_ids`, those ids (vLLM prefers them over top-k for the whole batch)."""
-        rows = accepted.accepted_rows.clamp(min=0) + row_start.to(logits.device)[:, None]
-        row_logits = logits[rows.flatten()].to(torch.float32)
-        tokens = accepted.output_token_ids.flatten().clamp(min=0)
-        logprobs = self.sampler.compute_logprobs(row_logits)
-        if sampling_metadata.logprob_token_ids:
-            # Output rows are [batch, 1 + max_nodes], flattened: request b's at b * width + j.
-            width = accepted.output_token_ids.shape[1]
-            ids_of_row = {b * width + j: ids for b, ids in sampling_metadata.logprob_token_ids.items()
-                          for j in range(width)}
-            return self.sampler.gather_specific_token_logprobs(logprobs, ids_of_row, tokens)
-        if sampling_metadata.max_num_logprobs == -1:
-            return LogprobsTensors(torch.empty(0), logprobs, torch.empty(0))
-        return self.sampler.gather_logprobs(logprobs, sampling_metadata.max_num_logprobs, tokens)
+def fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
+                   tree, sampling_metadata):
+    """The target's token at the rows each request's walk needs.
+
+    Greedy requests: vLLM's greedy argmax at rows 1..n (the walk reads any of them). Sampled
+    requests with a tree: `walk_sampled` draws the rows on their walk (row 0 included).
+    """
+    device = logits.device
+    counts = torch.tensor(num_draft, dtype=torch.int64)
+    if sampling_metadata.all_greedy:
+        sampled = torch.zeros(len(num_draft), dtype=torch.bool)
+    else:
+        sampled = sampling_metadata.temperature.cpu() >= SAMPLING_EPS
+    request_of_row = torch.repeat_interleave(torch.arange(len(num_draft)), counts + 1)
+    local_row = torch.arange(logits.shape[0]) - row_start[request_of_row]
+    greedy_rows = torch.nonzero((counts > 0)[request_of_row] & ~sampled[request_of_row]
+                                & (local_row > 0)).squeeze(1)
+    chunk = rows_per_chunk(logits.shape[-1])
+    paths = PathsOfRows(tree, parent_row, draft_token_ids)
+    for lo in range(0, greedy_rows.numel(), chunk):
+        rows = greedy_rows[lo:lo + chunk]
+        requests, local = request_of_row[rows], local_row[rows]
+        row_logits = logits[rows.to(device)]  # vLLM's greedy pick, no fp32 copy without options
+        options = paths.options(requests)
+        if any(o is not None for o in options):
+            row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, local))
+        row_target[requests.to(device), local.to(device)] = row_logits.argmax(dim=-1)
+    walkers = torch.nonzero((counts > 0) & sampled).squeeze(1)
+    if walkers.numel():
+        walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids,
+                           tree, sampling_metadata, paths)
+
+
+def walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
+                 sampling_metadata, paths: PathsOfRows) -> None:
+    """Walk the trees of sampled requests, one level per iteration (batched over requests):
+    draw the current row's token with its noise, move to the child carrying it."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    num_nodes = (parent_row >= 0).sum(1)
+    # A request without keys (vLLM's dummy runs) draws fresh noise.
+    keys = (np.asarray([tree.noise_key[b] for b in walkers.tolist()], dtype=np.int64) if tree is not None
+            else np.random.randint(0, 2**62, walkers.numel()))
+    tree_base = (tree.tree_base[walkers.numpy()] if tree is not None else np.zeros(walkers.numel(), np.int64))
+    temperature, top_k, top_p = (sampling_metadata.temperature, sampling_metadata.top_k,
+                                 sampling_metadata.top_p)
+    current = torch.zeros(walkers.numel(), dtype=torch.int64)  # row of each walk
+    active = torch.ones(walkers.numel(), dtype=torch.bool)
+    nodes = torch.arange(1, parent_row.shape[1] + 1)
+    while bool(active.any()):
+        index = torch.nonzero(active).squeeze(1)
+        requests = walkers[index]
+        rows = row_start[requests] + current[index]
+        row_depth = torch.where(current[index] > 0, depth[requests, (current[index] - 1).clamp(min=0)], 0)
+        req = requests.to(device)
+        row_logits = logits[rows.to(device)]
+        options = paths.options(requests)
+        if any(o is not None for o in options):
+            row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, current[index]))
+        scores = processed_scores(row_logits, temperature[req], None if top_k is None else top_k[req],
+                                  None if top_p is None else top_p[req], min_p_of_rows(options, device))
+        noise = gumbel_noise(keys[index.numpy()], tree_base[index.numpy()] + row_depth.numpy() + 1, vocab, device)
+        tokens = gumbel_argmax(scores, noise).cpu()
+        row_target[req, current[index].to(device)] = tokens.to(device)
+        # The lowest-row child of the current row that carries the token (walk_tree's rule).
+        is_child = ((parent_row[requests] == current[index, None]) & (nodes[None, :] <= num_nodes[requests, None])
+                    & (draft_token_ids[requests] == tokens[:, None]))
+        found = is_child.any(1)
+        current[index] = torch.where(found, is_child.int().argmax(1) + 1, current[index])
+        active[index] = found

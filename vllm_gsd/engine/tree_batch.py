@@ -6,12 +6,12 @@ Two objects, by who reads them:
   "Graph-masked attention"): which requests of the forward carry tree rows, each tree's base KV
   position and ancestor bitmasks, and the tree row of every query token. Built on the forward's
   device in one copy. It reaches the layers through vLLM's attention metadata: the forward's
-  builder (engine/graph_attention_backend.py) takes it from the runner's `TreeSlot` while it
+  builder (vllm_v0_32/attention/graph_backend.py) takes it from the runner's `TreeSlot` while it
   builds the metadata, so every layer reads it from the metadata it is handed.
 * `TreeBatch`: the target's verification step: the `TreeAttention` plus, by batch row, what the
   scorer and the KV compaction need (parent rows, depths, how many nodes, base positions). It
-  travels to the scorer inside `TreeSpecDecodeMetadata`, vLLM's `SpecDecodeMetadata` with one
-  field more, which the runner already hands to the rejection sampler.
+  travels to the scorer inside the spec-decode metadata the runner already hands to the
+  rejection sampler (in vLLM 0.32, `TreeSpecDecodeMetadata`: vllm_v0_32/spec_decode.py).
 
 A forward without trees (plain decoding, vLLM's dummy, profile and warm-up runs) carries none:
 its metadata's `tree` is None and every layer runs vLLM's own kernel.
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_gsd.engine.node_processing import RequestOptions
 from vllm_gsd.graph import ancestor_words_from_parents
@@ -109,26 +108,6 @@ class TreeBatch:
 
     def options_of(self, b: int) -> RequestOptions | None:
         return self.options[b] if b < len(self.options) else None
-
-
-@dataclass
-class TreeSpecDecodeMetadata(SpecDecodeMetadata):
-    """vLLM's SpecDecodeMetadata, carrying the step's trees to the scorer."""
-
-    tree: TreeBatch | None = None
-
-    @classmethod
-    def wrap(cls, metadata: SpecDecodeMetadata, tree: TreeBatch) -> TreeSpecDecodeMetadata:
-        return cls(
-            draft_token_ids=metadata.draft_token_ids,
-            num_draft_tokens=metadata.num_draft_tokens,
-            cu_num_draft_tokens=metadata.cu_num_draft_tokens,
-            cu_num_sampled_tokens=metadata.cu_num_sampled_tokens,
-            target_logits_indices=metadata.target_logits_indices,
-            bonus_logits_indices=metadata.bonus_logits_indices,
-            logits_indices=metadata.logits_indices,
-            tree=tree,
-        )
 
 
 def chain_trees(num_draft_tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

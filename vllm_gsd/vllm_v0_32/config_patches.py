@@ -1,5 +1,5 @@
-"""What the patches declared in engine/patches.py do, except the model runner's hooks
-(engine/runner_hooks.py).
+"""What the patches declared in vllm_v0_32/patches.py do, except the model runner's hooks
+(vllm_v0_32/runner/) and the scheduler's (vllm_v0_32/scheduler_hooks.py).
 
 * Config scope, applied when the plugin loads in a process: "method": "gsd" and the `gsd` block
   in vLLM's speculative config (the schema widening and the post-init wrappers), the refusal by
@@ -18,8 +18,8 @@ import functools
 import sys
 from typing import Any, Literal, get_args
 
-from vllm_gsd.engine import registry
 from vllm_gsd.engine.config import GSD_METHOD, GsdConfig, finalize_gsd_speculative_config, is_gsd
+from vllm_gsd.vllm_v0_32 import registry
 
 # ---------------------------------------------------------------------------------------------
 # Config scope
@@ -232,7 +232,7 @@ def _keep_attention_out_of_cuda_graphs(compilation) -> None:
 
 def wrap_validate_spec_decode(original):
     """min_p and logit_bias requests are served under gsd: a gsd engine builds vLLM's logits
-    processors for them (runner_hooks.wrap_build_logitsprocs) and verifies them without a tree
+    processors for them (runner/setup_hooks.wrap_build_logitsprocs) and verifies them without a tree
     (engine/eligibility.py), so they need not be refused as vLLM does for linear drafts."""
 
     @functools.wraps(original)
@@ -292,7 +292,7 @@ def wrap_rebind_kernels(original):
 
 
 # ---------------------------------------------------------------------------------------------
-# Worker scope (the model runner's hooks are in engine/runner_hooks.py)
+# Worker scope (the model runner's hooks are in vllm_v0_32/runner/)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -324,8 +324,9 @@ def _nothing_to_finalize(self, vllm_config) -> None:
 def install_graph_attention(backend_enum) -> None:
     from vllm.v1.attention.backends.registry import register_backend
 
-    register_backend(backend_enum.CPU_ATTN, "vllm_gsd.engine.cpu_attention.GsdCpuAttentionBackend")
-    register_backend(backend_enum.TRITON_ATTN, "vllm_gsd.engine.gpu_attention.GsdTritonAttentionBackend")
+    backends = "vllm_gsd.vllm_v0_32.attention."
+    register_backend(backend_enum.CPU_ATTN, backends + "cpu_backend.GsdCpuAttentionBackend")
+    register_backend(backend_enum.TRITON_ATTN, backends + "triton_backend.GsdTritonAttentionBackend")
 
 
 def add_gsd_stats_method(worker_cls) -> None:

@@ -15,7 +15,7 @@ keeps its counters in its own memory, and /metrics never shows them.
 vLLM has one list of variables a Ray worker needs before that import: `_RAY_WORKER_PRE_IMPORT_ENV_VARS`
 in vllm/v1/executor/ray_env_utils.py, which `update_runtime_env_for_worker_import` puts into the
 actors' Ray runtime_env (set in the worker process when Ray starts it), for both executors.
-PROMETHEUS_MULTIPROC_DIR is such a variable; engine/patches.py adds it there.
+PROMETHEUS_MULTIPROC_DIR is such a variable; vllm_v0_32/patches.py adds it there.
 
 The directory is the driver node's: workers on other nodes get a path that may not exist there
 (engine/metrics.py then does not export), and the server reads the files of its own node only.

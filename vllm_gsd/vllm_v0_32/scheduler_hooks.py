@@ -1,10 +1,10 @@
-"""Grammars over trees in vLLM's scheduler: the wrappers that engine/patches.py installs.
+"""Grammars over trees in vLLM's scheduler: the wrappers that vllm_v0_32/patches.py installs.
 
 vLLM's scheduler checks a request's drafts against its grammar as a chain, and fills one
 grammar-bitmask row per draft as the chain's states. For a gsd engine:
 
 * the runner hands the scheduler each structured-output request's tree with its draft tokens
-  (`TreeDraftTokenIds`: the parents of its nodes, runner_hooks.wrap_take_draft_token_ids);
+  (`TreeDraftTokenIds`: the parents of its nodes, runner/draft_hooks.wrap_take_draft_token_ids);
 * `update_draft_token_ids`: a request with a grammar keeps its tree's nodes through the last
   one the grammar allows after its own path (engine/tree_grammar.py); while the grammar does
   not yet constrain the request (a reasoning section in progress) it drafts nothing; the tree's

@@ -2,18 +2,18 @@
 
 Read this file to know the whole surface we touch: each patch's target, reason and scope, what
 GSD uses without patching, and the instance attributes it reads. The mechanism (version gate,
-target resolution, idempotence) is in engine/registry.py. What a patch does is in
-engine/config_patches.py (`impl.`), or, for the model runner's hooks, in engine/runner_hooks.py,
+target resolution, idempotence) is in vllm_v0_32/registry.py. What a patch does is in
+vllm_v0_32/config_patches.py (`impl.`), or, for the model runner's hooks, in vllm_v0_32/runner/,
 named "module:function" here and imported when a gsd worker applies them: loading the plugin
-imports no model-runner code, and runner_hooks can read the attribute lists below without an
-import cycle.
+imports no model-runner code, and the runner's hooks can read the attribute lists below without
+an import cycle.
 """
 
 from __future__ import annotations
 
-from vllm_gsd.engine import config_patches as impl
-from vllm_gsd.engine import registry
-from vllm_gsd.engine.registry import Patch, Uses
+from vllm_gsd.vllm_v0_32 import config_patches as impl
+from vllm_gsd.vllm_v0_32 import registry
+from vllm_gsd.vllm_v0_32.registry import Patch, Uses
 
 # ---------------------------------------------------------------------------------------------
 # Config layer (every process)
@@ -75,13 +75,13 @@ CONFIG_PATCHES = [
         why="a structured-output request's tree keeps the nodes its grammar allows along their own "
             "paths (vLLM checks drafts as a chain)",
         scope="config",
-        wrap="vllm_gsd.engine.scheduler_hooks:wrap_update_draft_token_ids",
+        wrap="vllm_gsd.vllm_v0_32.scheduler_hooks:wrap_update_draft_token_ids",
     ),
     Patch(
         target="vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask",
         why="a grammar-bitmask row per tree row, the state after that row's path",
         scope="config",
-        wrap="vllm_gsd.engine.scheduler_hooks:wrap_grammar_bitmask",
+        wrap="vllm_gsd.vllm_v0_32.scheduler_hooks:wrap_grammar_bitmask",
     ),
     Patch(
         target="vllm.v1.executor.ray_env_utils:_RAY_WORKER_PRE_IMPORT_ENV_VARS",
@@ -90,7 +90,7 @@ CONFIG_PATCHES = [
             "reach /metrics. Acts only where the driver has the variable, which vLLM's Ray executor "
             "hands its workers anyway, too late",
         scope="config",
-        wrap="vllm_gsd.engine.ray_env:wrap_pre_import_env_vars",
+        wrap="vllm_gsd.vllm_v0_32.ray_env:wrap_pre_import_env_vars",
     ),
 ]
 
@@ -98,7 +98,10 @@ CONFIG_PATCHES = [
 # Worker layer (inside gsd workers, before the model runner is built)
 # ---------------------------------------------------------------------------------------------
 
-_HOOKS = "vllm_gsd.engine.runner_hooks:"
+_SETUP = "vllm_gsd.vllm_v0_32.runner.setup_hooks:"
+_STEP = "vllm_gsd.vllm_v0_32.runner.step_hooks:"
+_SAMPLING = "vllm_gsd.vllm_v0_32.runner.sampling_hooks:"
+_DRAFT = "vllm_gsd.vllm_v0_32.runner.draft_hooks:"
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 WORKER_PATCHES: list[Patch] = [
@@ -127,7 +130,7 @@ WORKER_PATCHES: list[Patch] = [
         target=f"{_RUNNER}.__init__",
         why="GSD drafter and tree scorer in the draft_model slots of the V1 runner",
         scope="worker",
-        wrap=_HOOKS + "wrap_runner_init",
+        wrap=_SETUP + "wrap_runner_init",
     ),
     Patch(
         target="vllm.v1.worker.gpu_model_runner:build_logitsprocs",
@@ -135,67 +138,67 @@ WORKER_PATCHES: list[Patch] = [
             "of every speculative engine (its drafts cannot honour them; gsd serves such requests "
             "without a tree)",
         scope="worker",
-        wrap=_HOOKS + "wrap_build_logitsprocs",
+        wrap=_SETUP + "wrap_build_logitsprocs",
     ),
     Patch(
         target=f"{_RUNNER}._prepare_inputs",
         why="tree rows rotated at tree_base + depth; the graph mask for the target forward",
         scope="worker",
-        wrap=_HOOKS + "wrap_prepare_inputs",
+        wrap=_STEP + "wrap_prepare_inputs",
     ),
     Patch(
         target=f"{_RUNNER}._build_attention_metadata",
         why="the target forward's trees reach its layers through their attention metadata",
         scope="worker",
-        wrap=_HOOKS + "wrap_build_attention_metadata",
+        wrap=_STEP + "wrap_build_attention_metadata",
     ),
     Patch(
         target=f"{_RUNNER}.execute_model",
         why="time the target forward for the adaptive budget; no trees outlive it",
         scope="worker",
-        wrap=_HOOKS + "wrap_execute_model",
+        wrap=_STEP + "wrap_execute_model",
     ),
     Patch(
         target=f"{_RUNNER}._sample",
         why="after the tree scorer: move the accepted nodes' KV, count the trees",
         scope="worker",
-        wrap=_HOOKS + "wrap_sample",
+        wrap=_SAMPLING + "wrap_sample",
     ),
     Patch(
         target=f"{_RUNNER}._dummy_run",
         why="vLLM's dummy, profile and warm-up runs run the draft model too",
         scope="worker",
-        wrap=_HOOKS + "wrap_dummy_run",
+        wrap=_SETUP + "wrap_dummy_run",
     ),
     Patch(
         target=f"{_RUNNER}.propose_draft_token_ids",
         why="draft the graph after bookkeeping, from the sampled tokens",
         scope="worker",
-        wrap=_HOOKS + "wrap_propose_draft_token_ids",
+        wrap=_DRAFT + "wrap_propose_draft_token_ids",
     ),
     Patch(
         target=f"{_RUNNER}.take_draft_token_ids",
         why="the scheduler gets each structured-output request's tree with its drafts",
         scope="worker",
-        wrap=_HOOKS + "wrap_take_draft_token_ids",
+        wrap=_DRAFT + "wrap_take_draft_token_ids",
     ),
     Patch(
         target=f"{_RUNNER}._input_fits_in_drafter",
         why="room for the tree is checked per request, not for the whole batch",
         scope="worker",
-        wrap=_HOOKS + "wrap_input_fits_in_drafter",
+        wrap=_SETUP + "wrap_input_fits_in_drafter",
     ),
     Patch(
         target=f"{_RUNNER}.initialize_kv_cache",
         why="live target caches for compaction; one KV group only; the adaptive budget's cost curves",
         scope="worker",
-        wrap=_HOOKS + "wrap_initialize_kv_cache",
+        wrap=_SETUP + "wrap_initialize_kv_cache",
     ),
     Patch(
         target=f"{_RUNNER}.initialize_metadata_builders",
         why="attention groups for the draft's layers; the runner's TreeSlot for every graph builder",
         scope="worker",
-        wrap=_HOOKS + "wrap_initialize_metadata_builders",
+        wrap=_SETUP + "wrap_initialize_metadata_builders",
     ),
 ]
 
@@ -242,17 +245,17 @@ USES: list[Uses] = [
     Uses("vllm.v1.spec_decode.ngram_proposer:_find_longest_matched_ngram_and_propose_tokens",
          "context-lookup nodes (engine/lookup.py)", "worker"),
     Uses("vllm.v1.executor.ray_env_utils:update_runtime_env_for_worker_import",
-         "puts _RAY_WORKER_PRE_IMPORT_ENV_VARS into the Ray actors' runtime_env (engine/ray_env.py)", "config"),
+         "puts _RAY_WORKER_PRE_IMPORT_ENV_VARS into the Ray actors' runtime_env (vllm_v0_32/ray_env.py)", "config"),
     Uses("vllm.v1.structured_output:StructuredOutputManager._get_constraint_bounds",
-         "whether a request's grammar applies from its next token (engine/scheduler_hooks.py)", "config"),
+         "whether a request's grammar applies from its next token (vllm_v0_32/scheduler_hooks.py)", "config"),
     Uses("vllm.v1.structured_output:StructuredOutputManager._fill_bitmasks",
-         "fills a tree row's grammar bitmask (engine/scheduler_hooks.py)", "config"),
+         "fills a tree row's grammar bitmask (vllm_v0_32/scheduler_hooks.py)", "config"),
     Uses("vllm.v1.structured_output:ConstraintBounds", "a grammar that applies from the next token", "config"),
     Uses("vllm.v1.outputs:DraftTokenIds", "TreeDraftTokenIds's base", "config"),
 ]
 
 # Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the
-# instance: engine/runner_hooks.py, when the runner is built).
+# instance: vllm_v0_32/runner/setup_hooks.py, when the runner is built).
 RUNNER_ATTRIBUTES = ("input_batch", "requests", "discard_request_mask", "positions", "compilation_config", "max_model_len",
                      "attn_groups", "device", "vllm_config", "sampler", "rejection_sampler", "drafter")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "req_id_to_index", "num_reqs", "num_computed_tokens_cpu",

@@ -1,7 +1,7 @@
 """The one design of GSD's attention backends: vLLM's backend, plus the graph mask for tree rows.
 
-A platform backend (engine/cpu_attention.py over CPU_ATTN, engine/gpu_attention.py over
-TRITON_ATTN) is vLLM's own backend with two mixins in front:
+A platform backend (cpu_backend.py over CPU_ATTN, triton_backend.py over TRITON_ATTN) is vLLM's
+own backend with two mixins in front:
 
 * `GraphMetadataBuilder`: builds vLLM's metadata, then, when the runner's `TreeSlot` holds the
   trees of the forward being prepared (engine/tree_batch.py), adds the platform's plan for them

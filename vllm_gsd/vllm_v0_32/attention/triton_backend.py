@@ -1,4 +1,4 @@
-"""TRITON_ATTN with the graph mask for tree rows, for CUDA (engine/graph_attention_backend.py).
+"""TRITON_ATTN with the graph mask for tree rows, for CUDA (vllm_v0_32/attention/graph_backend.py).
 
 vLLM's Triton kernel attends every row; the tree requests' rows are then attended again by
 `vllm_gsd.kernels.graph_attention` (Triton, split-K) as a sub-batch of their own, reading vLLM's
@@ -8,7 +8,7 @@ draft's levels) skips vLLM's kernel. The sub-batch (tokens, query starts, sequen
 block tables, tree rows) is planned once per forward on the device, when the metadata is built;
 layers only read it. A gsd engine on CUDA selects this backend for the target and the draft and
 runs attention outside CUDA graphs (piecewise mode), since the mask changes every step
-(engine/patches.py).
+(vllm_v0_32/config_patches.py).
 
 Tested on CPU tensors under the Triton interpreter (tests/engine/test_gpu_path.py); the project's
 GPU machine has no vLLM, so this glue has not run inside vLLM on a GPU.
@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.utils.torch_utils import is_quantized_kv_cache
 
-from vllm_gsd.engine.graph_attention_backend import GraphAttentionImpl, GraphMetadataBuilder
+from vllm_gsd.vllm_v0_32.attention.graph_backend import GraphAttentionImpl, GraphMetadataBuilder
 from vllm_gsd.engine.tree_batch import TreeAttention, _to_device
 from vllm_gsd.kernels.graph_attention import graph_attention
 

@@ -1,0 +1,72 @@
+"""After a gsd runner's target forward: the `_sample` wrapper that vllm_v0_32/patches.py installs.
+
+The rejection sampler is GsdRejectionSampler (vllm_v0_32/scorer.py), which scores the trees;
+then the accepted nodes' KV moves to consecutive positions (`_compact_target_kv`) and GSD's
+counters are updated.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import torch
+
+from vllm_gsd.engine.tree_batch import TreeBatch
+from vllm_gsd.vllm_v0_32.runner.state import is_gsd_runner
+from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
+
+
+def wrap_sample(original):
+    """Score (vLLM's sampler slots), then move the accepted nodes' KV and count the trees."""
+
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata):
+        if not is_gsd_runner(self) or not isinstance(spec_decode_metadata, TreeSpecDecodeMetadata):
+            return original(self, logits, spec_decode_metadata)
+        started = time.perf_counter()
+        output = original(self, logits, spec_decode_metadata)
+        scored = time.perf_counter()
+        tree = spec_decode_metadata.tree
+        _compact_target_kv(self, tree, output.accepted)
+        self.gsd.metrics.add(verify_us=int((scored - started) * 1e6),
+                             kv_compaction_us=int((time.perf_counter() - scored) * 1e6),
+                             **_tree_counts(tree, output.accepted))
+        return output
+
+    return _sample
+
+
+def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:
+    """GSD's verification counters for one step."""
+    num_nodes = tree.num_nodes.tolist()
+    num_accepted = accepted.num_accepted.tolist()
+    trees = [b for b, n in enumerate(num_nodes) if n]
+    through_merge = 0
+    for b in trees:
+        a = num_accepted[b]
+        if a:
+            path = accepted.accepted_rows[b, 1:a + 1].cpu() - 1
+            through_merge += bool(tree.via_merge[b, path].any())
+    return {"trees_verified": len(trees), "nodes_verified": sum(num_nodes),
+            "accepted_nodes": sum(num_accepted[b] for b in trees), "paths_through_merge": through_merge}
+
+
+def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
+    """Move each request's accepted nodes' KV to consecutive positions after its root."""
+    from vllm_gsd.kernels.kv_compaction import compact_kv, compact_kv_cpu
+
+    num_accepted = accepted.num_accepted
+    if int(num_accepted.max()) == 0:
+        return
+    block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
+    table = block_table.get_device_tensor(runner.input_batch.num_reqs)
+    tree_base = torch.from_numpy(tree.tree_base.astype(np.int32)).to(table.device)
+    on_cpu = table.device.type == "cpu"
+    if on_cpu:
+        compact_kv_cpu(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
+                       accepted.accepted_rows, num_accepted, runner.gsd.target_cache_packing)
+    else:
+        compact_kv(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
+                   accepted.accepted_rows, num_accepted, layout="gpu_bhnc")

@@ -1,0 +1,208 @@
+"""How a gsd runner is set up: the wrappers of the V1 runner's construction and set-up that
+vllm_v0_32/patches.py installs.
+
+* `__init__`: vLLM's runner built as for draft_model, then GsdProposer (engine/proposer.py) and
+  the tree scorer (vllm_v0_32/scorer.py) in its drafter and sampler slots;
+* `build_logitsprocs`: a gsd engine keeps vLLM's built-in logits processors;
+* `initialize_kv_cache`: the live target caches are listed for compaction (a target with
+  several KV-cache groups is refused), and the drafter's adaptive node budget gets its cost
+  curves; `initialize_metadata_builders`: the attention builders get the runner's TreeSlot
+  (target and draft layers), the draft's CPU cache packing is pinned;
+* `_dummy_run` (vLLM's dummy, profile and warm-up runs): the draft model runs too, as vLLM runs
+  its own draft_model drafter there; no tree, no request state;
+* `_input_fits_in_drafter`: the room for a tree is checked per request, by the drafter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_gsd.engine.config import is_gsd
+from vllm_gsd.engine.metrics import GsdMetrics
+from vllm_gsd.kernels.paged_layout import CpuPacking, cpu_packing
+from vllm_gsd.vllm_v0_32.attention.graph_backend import install_tree_slot
+from vllm_gsd.vllm_v0_32.runner.state import GsdRunnerState, is_gsd_runner
+
+
+def wrap_runner_init(original):
+    """Build the runner as for draft_model, then swap in the GSD drafter and scorer."""
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, device, *args, **kwargs):
+        spec = vllm_config.speculative_config
+        if not is_gsd(spec):
+            return original(self, vllm_config, device, *args, **kwargs)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from vllm_gsd.engine.proposer import GsdProposer
+        from vllm_gsd.vllm_v0_32.scorer import GsdRejectionSampler, GsdSampler
+
+        # vLLM's runner knows no "gsd"; its draft_model set-up (drafter slot, sampler, buffers
+        # sized by num_speculative_tokens) is the one GSD needs, so it runs under that name.
+        spec.method = "draft_model"
+        try:
+            original(self, vllm_config, device, *args, **kwargs)
+        finally:
+            spec.method = "gsd"
+        # Every tensor-parallel rank counts the same trees; one exports them to /metrics.
+        self.gsd = GsdRunnerState(metrics=GsdMetrics(exports=get_tensor_model_parallel_rank() == 0))
+        if hasattr(self, "drafter"):  # the last pipeline rank
+            _check_vllm_attributes(self)
+            self.drafter = GsdProposer(vllm_config, self.device, self, self.gsd.tree_slot)
+            self.drafter.metrics = self.gsd.metrics
+            self.sampler = GsdSampler(logprobs_mode=self.sampler.logprobs_mode,
+                                      use_fp64_gumbel=self.sampler.use_fp64_gumbel)
+            self.rejection_sampler = GsdRejectionSampler(self.sampler, spec, self.device)
+
+    return __init__
+
+
+def wrap_build_logitsprocs(original):
+    """A gsd engine gets every built-in logits processor of a plain engine.
+
+    vLLM builds only MinTokens for a speculative engine (min_p and logit_bias cannot be honoured
+    on its drafts), so without this a min_p or logit_bias request would be served with the
+    option silently ignored. GSD serves such requests without a tree (engine/eligibility.py):
+    their one row a step is vLLM's Sampler's, which applies these processors by batch row.
+    Custom processors are refused at start (vllm_v0_32/patches.py), so none reaches here."""
+
+    @functools.wraps(original)
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
+        # Called while wrap_runner_init runs vLLM's runner under the method name "draft_model":
+        # the gsd block tells a gsd engine (it is refused with any other method).
+        spec = vllm_config.speculative_config
+        if getattr(spec, "gsd", None) is None or is_pooling_model or custom_logitsprocs:
+            return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+        from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors
+
+        return LogitsProcessors(ctor(vllm_config, device, is_pin_memory) for ctor in BUILTIN_LOGITS_PROCESSORS)
+
+    return build_logitsprocs
+
+
+def wrap_dummy_run(original):
+    """vLLM's dummy runs (profile, warm-up, compile) run the draft model as well."""
+
+    @functools.wraps(original)
+    def _dummy_run(self, num_tokens, *args, **kwargs):
+        result = original(self, num_tokens, *args, **kwargs)
+        if is_gsd_runner(self):
+            self.drafter.dummy_run(num_tokens)
+        return result
+
+    return _dummy_run
+
+
+def wrap_initialize_kv_cache(original):
+    """List the live target caches; once the real KV cache exists, the adaptive node budget
+    may time forwards for its cost curves."""
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
+        if not is_gsd_runner(self):
+            return original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        _refuse_several_kv_groups(kv_cache_config)
+        result = original(self, kv_cache_config, is_profiling, *args, **kwargs)
+        self.gsd.target_kv_caches, self.gsd.target_cache_packing = _target_kv_caches(self)
+        if not is_profiling:
+            self.drafter.prepare_policy(self)
+        return result
+
+    return initialize_kv_cache
+
+
+def wrap_input_fits_in_drafter(original):
+    @functools.wraps(original)
+    def _input_fits_in_drafter(self, common_attn_metadata):
+        if is_gsd_runner(self):
+            # GSD checks the room left per request (proposer._may_grow_tree); vLLM's check would
+            # zero the drafts of the whole batch.
+            return common_attn_metadata is not None
+        return original(self, common_attn_metadata)
+
+    return _input_fits_in_drafter
+
+
+def wrap_initialize_metadata_builders(original):
+    @functools.wraps(original)
+    def initialize_metadata_builders(self, kv_cache_config, kernel_block_sizes):
+        original(self, kv_cache_config, kernel_block_sizes)
+        if is_gsd_runner(self):
+            self.drafter.initialize_attn_backend(kv_cache_config, kernel_block_sizes)
+            _check_vllm_attributes(self, loaded=True)
+            install_tree_slot(self.attn_groups, self.gsd.tree_slot)
+            install_tree_slot(self.drafter.draft_attn_groups, self.gsd.tree_slot)
+            _pin_draft_cache_packing(self)
+
+    return initialize_metadata_builders
+
+
+
+def _pin_draft_cache_packing(runner) -> None:
+    """On the CPU the draft's layers keep the portable "vec" cache packing, while the target's
+    follow vLLM's pick ("amx" on CPUs with AMX tiles). The draft attends graph-masked at every
+    level it drafts and runs vLLM's kernel only to catch up; the target runs vLLM's kernel for
+    every row but the few of its trees, and all of them in a plain step.
+
+    Only where the runner gave the draft's layers attention groups of their own: a builder sets
+    the packing of its group's layers, and every builder of the draft's layers must read the one
+    their cache is written in (a group shared with the target keeps vLLM's pick throughout)."""
+    draft_layers = runner.drafter._draft_attn_layer_names
+    runner_groups = [group for groups in runner.attn_groups for group in groups]
+    owning = [group for group in runner_groups if draft_layers & set(group.layer_names)]
+    if not owning or any(not set(group.layer_names) <= draft_layers for group in owning):
+        return
+    for group in owning + list(runner.drafter.draft_attn_groups):
+        for builder in group.metadata_builders:
+            if hasattr(builder, "pin_portable_packing"):
+                builder.pin_portable_packing()
+
+
+def _check_vllm_attributes(runner, loaded: bool = False) -> None:
+    """The attributes of vLLM's runner, batch and drafter GSD reads (vllm_v0_32/patches.py): when the
+    runner is built, and (loaded) once the draft model and its attention groups exist."""
+    from vllm_gsd.vllm_v0_32 import patches
+    from vllm_gsd.vllm_v0_32.registry import require_attributes
+
+    if loaded:
+        require_attributes(runner.drafter, patches.DRAFTER_LOADED_ATTRIBUTES, "DraftModelProposer")
+        return
+    require_attributes(runner, patches.RUNNER_ATTRIBUTES, "GPUModelRunner")
+    require_attributes(runner.input_batch, patches.INPUT_BATCH_ATTRIBUTES, "InputBatch")
+    require_attributes(runner.drafter, patches.DRAFTER_ATTRIBUTES, "DraftModelProposer")
+
+
+def _refuse_several_kv_groups(kv_cache_config) -> None:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        raise NotImplementedError(
+            "speculative method 'gsd' does not support models whose KV cache has several groups "
+            f"({len(groups)}: e.g. hybrid attention, sliding-window and full layers): tree "
+            "verification moves the accepted nodes' KV through one block table"
+        )
+
+
+def _target_kv_caches(runner) -> tuple[list[torch.Tensor], CpuPacking | None]:
+    """The target layers' KV cache tensors, as bound now (KV-sharing layers alias one), and on
+    the CPU their packing: CPU_ATTN's builders have set each layer's `isa` by now, one for all
+    (a target has one KV-cache group). None where no layer has one (not CPU_ATTN)."""
+    draft_layers = runner.drafter._draft_attn_layer_names
+    caches, seen, isas = [], set(), set()
+    for name, layer in runner.compilation_config.static_forward_context.items():
+        kv_cache = getattr(layer, "kv_cache", None)  # not every context entry is an attention layer
+        if name in draft_layers or not isinstance(kv_cache, torch.Tensor) or kv_cache.numel() == 0:
+            continue
+        if kv_cache.data_ptr() not in seen:
+            seen.add(kv_cache.data_ptr())
+            caches.append(kv_cache)
+            if hasattr(layer, "isa"):
+                isas.add(layer.isa)
+    if not isas:
+        return caches, None
+    if len(isas) > 1:
+        raise RuntimeError(f"gsd: the target's CPU attention layers report ISAs {sorted(isas)}; "
+                           "KV compaction needs the one packing they share")
+    _, _, block_size, two_head_size = caches[0].shape
+    return caches, cpu_packing(isas.pop(), block_size, two_head_size // 2)

@@ -1,0 +1,188 @@
+"""One step of a gsd runner up to its target forward: the wrappers that vllm_v0_32/patches.py
+installs.
+
+* `_prepare_inputs` (after vLLM's): the step's trees become one `TreeBatch`
+  (engine/tree_batch.py): every request whose scheduled draft tokens are a proposed tree gets
+  its node rows re-rotated to tree_base + depth (their KV slots stay tree_base + row); draft
+  tokens that match no proposed tree (e.g. after a preemption) are verified as a chain, which is
+  also a tree. The TreeBatch rides to the scorer in the spec-decode metadata
+  (`TreeSpecDecodeMetadata`, vllm_v0_32/spec_decode.py), and its attention inputs to the layers
+  through the runner's `TreeSlot`, held while `_build_attention_metadata` builds this forward's
+  metadata. A step without drafts drops the metadata (vLLM 0.32 builds it for every step of a
+  speculative engine), so it is sampled as without speculation. The sampler is GsdSampler, told
+  each step which roots are drawn with keyed noise (engine/sampling.py); a partial prefill's
+  discarded row leaves its request's generator alone.
+* `execute_model`: the target forward is timed (synchronised on CUDA) for the cost scales.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import numpy as np
+import torch
+
+from vllm_gsd.engine.cost_calibration import synchronize
+from vllm_gsd.engine.eligibility import tree_refusal_reason
+from vllm_gsd.engine.node_processing import RequestOptions, options_of
+from vllm_gsd.engine.sampling import is_sampled, noise_key
+from vllm_gsd.engine.tree_batch import TreeBatch, build_tree_batch, chain_trees
+from vllm_gsd.vllm_v0_32.runner.state import is_gsd_runner
+from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
+
+
+def wrap_prepare_inputs(original):
+    @functools.wraps(original)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_decode_metadata, *rest = original(self, scheduler_output, num_scheduled_tokens)
+        if not is_gsd_runner(self):
+            return (logits_indices, spec_decode_metadata, *rest)
+        _park_generators_of_discarded_rows(self)
+        self.sampler.keyed = _keyed_roots(self, scheduler_output, num_scheduled_tokens)
+        if not any(scheduler_output.scheduled_spec_decode_tokens.values()):
+            # vLLM 0.32 builds speculative metadata for every step once a method is configured,
+            # drafts or not. A step without trees (a plain step of the adaptive budget, a
+            # prefill) is sampled as without speculation: vLLM's sampler and its logprobs, with
+            # no gather of the logits' rows (32 x 152k floats at batch 32) and no tree walk.
+            spec_decode_metadata = None
+        else:
+            tree = _verification_trees(self, scheduler_output, num_scheduled_tokens)
+            self.gsd.pending_attention = tree.attention if tree.attention.request_index.numel() else None
+            spec_decode_metadata = TreeSpecDecodeMetadata.wrap(spec_decode_metadata, tree)
+        return (logits_indices, spec_decode_metadata, *rest)
+
+    return _prepare_inputs
+
+
+def wrap_build_attention_metadata(original):
+    """The layers of the target forward being prepared see its trees in their metadata."""
+
+    @functools.wraps(original)
+    def _build_attention_metadata(self, *args, **kwargs):
+        if not is_gsd_runner(self) or self.gsd.pending_attention is None:
+            return original(self, *args, **kwargs)
+        tree, self.gsd.pending_attention = self.gsd.pending_attention, None
+        with self.gsd.tree_slot.holding(tree):
+            return original(self, *args, **kwargs)
+
+    return _build_attention_metadata
+
+
+def wrap_execute_model(original):
+    @functools.wraps(original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if not is_gsd_runner(self):
+            return original(self, scheduler_output, *args, **kwargs)
+        started = time.perf_counter()
+        self.gsd.metrics.begin_step(scheduler_output)
+        verified_trees = bool(scheduler_output.scheduled_spec_decode_tokens)
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            self.gsd.pending_attention = None
+            synchronize(self.device)  # CUDA runs ahead of the host: time the forward, not its launch
+            seconds = time.perf_counter() - started
+            self.gsd.metrics.add(target_forward_us=int(seconds * 1e6))
+            self.drafter.record_target_forward(scheduler_output.total_num_scheduled_tokens,
+                                               seconds, verified_trees)
+
+    return execute_model
+
+
+def _park_generators_of_discarded_rows(runner) -> None:
+    """Keep a seeded request's generator out of a step whose sampled token is discarded.
+
+    A partial prefill samples a token that is thrown away; vLLM then rewinds the request's
+    generator by its Philox offset (`_bookkeeping_sync`), which a CPU generator does not have:
+    RuntimeError, and the engine dies. Sampling that row from the global generator instead leaves
+    the request's own generator untouched, which is what the rewind means, on any device. The
+    generators dict is vLLM's own (the sampling metadata holds it), so it is changed in place, and
+    each step rebuilds it from the request states.
+    """
+    batch = runner.input_batch
+    discarded = runner.discard_request_mask.np[:batch.num_reqs]
+    for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
+        generator = runner.requests[req_id].generator
+        if generator is None:
+            continue
+        if discarded[i]:
+            batch.generators.pop(i, None)
+        else:
+            batch.generators[i] = generator
+
+
+def _keyed_roots(runner, scheduler_output, num_scheduled_tokens: np.ndarray):
+    """The rows GsdSampler draws with keyed noise: sampled requests that the tree path serves,
+    sampling this step (not a partial prefill), whether they have a tree or not, seeded or not.
+
+    Unseeded requests too: whether a request gets a tree depends on the draft's children, which
+    the noise of the token's position chose. Were a request without a tree drawn afresh and one
+    with a tree by that noise, the draw would be conditioned on its own noise (the adaptive
+    budget keeps trees whose chosen children are likely, so likely tokens would be favoured).
+    Drawn by the same noise either way, each token is the target's draw, tree or not.
+
+    Row 0 samples the token at position num_computed + num_scheduled - num_nodes (the root's
+    position + 1), the position a tree's own row 0 is keyed by (engine/scorer.py)."""
+    from vllm_gsd.engine.scorer import KeyedRoots
+
+    batch = runner.input_batch
+    discarded = runner.discard_request_mask.np[:batch.num_reqs]
+    keyed = KeyedRoots(rows=[], keys=[], positions=[])
+    for i, req_id in enumerate(batch.req_ids[:batch.num_reqs]):
+        state = runner.requests[req_id]
+        params = state.sampling_params
+        if (discarded[i] or not is_sampled(params)
+                or tree_refusal_reason(params, len(state.output_token_ids)) is not None):
+            continue
+        num_nodes = len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        keyed.rows.append(i)
+        keyed.keys.append(noise_key(req_id, params, runner.vllm_config.model_config.seed))
+        keyed.min_p.append(params.min_p)
+        keyed.positions.append(int(batch.num_computed_tokens_cpu[i]) + int(num_scheduled_tokens[i]) - num_nodes)
+    return keyed
+
+
+def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarray) -> TreeBatch:
+    """This step's TreeBatch; tree rows re-rotated at tree_base + depth in runner.positions."""
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    proposed = runner.drafter.trees
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(num_scheduled_tokens[:num_reqs], out=query_start_loc[1:])
+    num_draft = [0] * num_reqs
+    for req_id, draft_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
+        num_draft[batch.req_id_to_index[req_id]] = len(draft_tokens)
+    # Drafts we did not propose as a tree are verified as a chain.
+    parent_row, depth = chain_trees(num_draft)
+    via_merge = torch.zeros(parent_row.shape, dtype=torch.bool)
+    tree_base = np.zeros(num_reqs, dtype=np.int64)
+    keys: list[int | None] = [None] * num_reqs
+    options: list[RequestOptions | None] = [None] * num_reqs
+    rotated_rows, rotated_positions = [], []
+    for req_id, draft_tokens in scheduler_output.scheduled_spec_decode_tokens.items():
+        num_nodes = len(draft_tokens)
+        if num_nodes == 0:
+            continue
+        i = batch.req_id_to_index[req_id]
+        tree = proposed.get(req_id)
+        if (tree is not None and num_nodes <= tree.draft_token_ids.numel()
+                and tree.draft_token_ids[:num_nodes].tolist() == list(draft_tokens)):
+            parent_row[i, :num_nodes] = tree.parent_row[:num_nodes]
+            depth[i, :num_nodes] = tree.depth[:num_nodes]
+            via_merge[i, :num_nodes] = tree.via_merge[:num_nodes]
+        root_offset = int(num_scheduled_tokens[i]) - num_nodes - 1
+        tree_base[i] = int(batch.num_computed_tokens_cpu[i]) + root_offset
+        first = int(query_start_loc[i]) + root_offset
+        rotated_rows.append(np.arange(first + 1, first + 1 + num_nodes))
+        rotated_positions.append(tree_base[i] + depth[i, :num_nodes].numpy())
+        state = runner.requests[req_id]
+        params = state.sampling_params
+        if is_sampled(params):
+            keys[i] = noise_key(req_id, params, runner.vllm_config.model_config.seed)
+        options[i] = options_of(params, state.prompt_token_ids, state.output_token_ids)
+    if rotated_rows:  # one copy for the whole batch
+        rows = torch.from_numpy(np.concatenate(rotated_rows)).to(runner.positions.device)
+        runner.positions[rows] = torch.from_numpy(np.concatenate(rotated_positions)).to(runner.positions.device)
+    return build_tree_batch(parent_row, depth, torch.tensor(num_draft, dtype=torch.int64), tree_base,
+                            via_merge, keys, query_start_loc, runner.device, options)
