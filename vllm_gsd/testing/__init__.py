@@ -2,6 +2,7 @@
 
 Submodules (import them explicitly; none is imported here, so importing the package is cheap):
   tiny_models    -- tiny Llama target + derived drafts, trained offline on local text, cached.
+  tiny_tokenizer -- their corpus (this machine's stdlib sources) and byte-level BPE tokenizer.
   prompts        -- fixed code prompts for the tiny models.
   engines        -- the tests' engine configurations and factories, acceptance figures.
   worker_probes  -- a worker extension the engine loads by name in its worker processes (Ray

@@ -12,37 +12,47 @@ this machine, so its greedy output is code-like. Drafts derive from the trained 
 Every directory is a `save_pretrained` HF directory (float32 safetensors + tokenizer.json +
 tokenizer_config.json) that both transformers and vLLM load. Directory names carry a hash of
 the recipe (and of the corpus), so a recipe change builds into a new directory.
+
+The corpus and the tokenizer's training are in vllm_gsd/testing/tiny_tokenizer.py (its names are
+importable from here too); this module builds and measures the models.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
-import hashlib
-import os
-import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
 from vllm_gsd.testing.cache import build_once, cache_root, recipe_key
+from vllm_gsd.testing.tiny_tokenizer import (  # noqa: F401  (public here too)
+    BOS_TOKEN,
+    CORPUS_MAX_BYTES,
+    EOS_TOKEN,
+    MODEL_MAX_LENGTH,
+    TOKENIZER_FILES,
+    copy_tokenizer,
+    corpus_digest,
+    local_corpus,
+    save_hf_tokenizer,
+    stdlib_source_files,
+    token_stream,
+    train_bpe_tokenizer,
+)
 
 RECIPE_FORMAT = 1  # bump when the build code changes in a way the recipe fields do not show
-BOS_TOKEN = "<|bos|>"
-EOS_TOKEN = "<|endoftext|>"
 DRAFT_KINDS = ("same", "perturbed", "shallow", "short")
 # The "short" draft's context (max_position_embeddings): shorter than the target's.
 SHORT_DRAFT_CONTEXT = 256
 DEFAULT_NOISE_SCALE = 0.18
 DEFAULT_SHALLOW_LAYERS = 2
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclasses.dataclass(frozen=True)
 class TinyRecipe:
     """Everything that determines the tiny target's tokenizer and weights."""
 
-    corpus_max_bytes: int = 2_000_000
+    corpus_max_bytes: int = CORPUS_MAX_BYTES
     vocab_size: int = 1024
     hidden_size: int = 128
     intermediate_size: int = 256
@@ -50,7 +60,7 @@ class TinyRecipe:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = MODEL_MAX_LENGTH
     train_steps: int = 900
     batch_size: int = 4
     seq_len: int = 128
@@ -80,88 +90,6 @@ def torch_threads(num_threads: int):
         torch.set_num_threads(previous)
 
 
-# --------------------------------------------------------------------------- corpus, tokenizer
-
-
-def stdlib_source_files() -> list[Path]:
-    """Return the top-level `*.py` files of this interpreter's standard library, sorted by name."""
-    return sorted(Path(p) for p in glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-
-
-def local_corpus(max_bytes: int = DEFAULT_RECIPE.corpus_max_bytes) -> list[str]:
-    """Return whole stdlib source files, in sorted order, until `max_bytes` characters are reached."""
-    texts: list[str] = []
-    total = 0
-    for path in stdlib_source_files():
-        if total >= max_bytes:
-            break
-        text = path.read_text(encoding="utf-8", errors="replace")
-        texts.append(text)
-        total += len(text)
-    return texts
-
-
-def corpus_digest(texts: Sequence[str]) -> str:
-    """Return a sha256 hex digest of the corpus (file boundaries included)."""
-    digest = hashlib.sha256()
-    for text in texts:
-        digest.update(text.encode("utf-8", errors="replace"))
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int):
-    """Train a byte-level BPE `tokenizers.Tokenizer` whose encodings start with BOS.
-
-    Special tokens: id 0 = EOS_TOKEN, id 1 = BOS_TOKEN. Decoding round-trips any text exactly.
-    """
-    from tokenizers import (
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS_TOKEN, BOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B", special_tokens=[(BOS_TOKEN, bos_id)]
-    )
-    return tokenizer
-
-
-def save_hf_tokenizer(tokenizer, out_dir: Path) -> None:
-    """Write `tokenizer` as an HF fast tokenizer (tokenizer.json + tokenizer_config.json)."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf_tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
-        model_max_length=DEFAULT_RECIPE.max_position_embeddings,
-    )
-    hf_tokenizer.save_pretrained(out_dir)
-
-
-def copy_tokenizer(src_dir: Path, dst_dir: Path) -> None:
-    """Copy the tokenizer files of one model directory into another."""
-    for name in TOKENIZER_FILES:
-        if (src_dir / name).exists():
-            (dst_dir / name).write_bytes((src_dir / name).read_bytes())
-
-
 # --------------------------------------------------------------------------- target model
 
 
@@ -184,18 +112,6 @@ def llama_config(recipe: TinyRecipe, vocab_size: int, num_hidden_layers: int | N
         pad_token_id=0,
         torch_dtype="float32",
     )
-
-
-def token_stream(tokenizer, texts: Sequence[str]):
-    """Return one int64 tensor: every file's tokens (no BOS), each file followed by EOS."""
-    import torch
-
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(list(texts), add_special_tokens=False):
-        ids.extend(encoding.ids)
-        ids.append(eos_id)
-    return torch.tensor(ids, dtype=torch.long)
 
 
 def train_next_token(model, stream, recipe: TinyRecipe, bos_id: int) -> list[float]:
