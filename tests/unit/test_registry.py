@@ -120,10 +120,56 @@ def test_kernel_override_scan_passes_llvmlite():
 
     warm_up()  # numba, hence llvmlite, loaded
     register()
+    registry.apply("engine")  # as where a gsd engine's config is built, or a gsd worker starts
     assert registry.is_applied("vllm.triton_utils.dispatcher:_rebind_kernels")
     dispatcher._rebind_kernels([])  # the patched scan
     with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
         dispatcher._rebind_kernels.__wrapped__([])  # vLLM's own
+
+
+SCAN_SCOPE = r"""
+import json, sys
+from vllm_gsd.plugin import register
+from vllm_gsd.vllm_v0_32 import registry
+
+def state(label):
+    import vllm.triton_utils.dispatcher as dispatcher
+    scan = dispatcher._rebind_kernels
+    print(json.dumps({"label": label, "numba": "numba" in sys.modules, "llvmlite": "llvmlite" in sys.modules,
+                      "vllms_own_scan": not hasattr(scan, "__wrapped__") and scan.__module__ == dispatcher.__name__,
+                      "engine_scope": registry.is_applied("vllm.triton_utils.dispatcher:_rebind_kernels")}))
+
+register()
+state("plugin loaded")
+from vllm.engine.arg_utils import EngineArgs
+EngineArgs(model=sys.argv[1], skip_tokenizer_init=True).create_engine_config()
+state("plain engine config")
+EngineArgs(model=sys.argv[1], skip_tokenizer_init=True, speculative_config={
+    "method": "gsd", "model": sys.argv[1], "num_speculative_tokens": 8}).create_engine_config()
+state("gsd engine config")
+"""
+
+
+def test_the_kernel_scan_is_wrapped_only_where_a_gsd_engine_is_built(tmp_path):
+    """A fresh interpreter (no other test's imports): loading the plugin loads no numba and leaves
+    vLLM's kernel scan as it is, and so does a plain engine's config; a gsd engine's config
+    applies the engine scope, the scan's wrapper with it (numba still unloaded: the graph core
+    comes with the drafter)."""
+    import json
+    import subprocess
+    import sys
+
+    from vllm_gsd.testing.tiny_models import config_only_model
+
+    model = config_only_model(tmp_path / "model", 512)
+    out = subprocess.run([sys.executable, "-c", SCAN_SCOPE, model], capture_output=True, text=True, timeout=300)
+    states = {s["label"]: s for s in map(json.loads, (line for line in out.stdout.splitlines() if line.startswith("{")))}
+    assert list(states) == ["plugin loaded", "plain engine config", "gsd engine config"], out.stdout + out.stderr[-3000:]
+    for label in ("plugin loaded", "plain engine config"):
+        assert states[label] == {"label": label, "numba": False, "llvmlite": False, "vllms_own_scan": True,
+                                 "engine_scope": False}
+    assert states["gsd engine config"] == {"label": "gsd engine config", "numba": False, "llvmlite": False,
+                                           "vllms_own_scan": False, "engine_scope": True}
 
 
 def test_every_use_of_vllm_resolves_in_the_pinned_vllm():

@@ -4,9 +4,10 @@
 * Config scope, applied when the plugin loads in a process: "method": "gsd" and the `gsd` block
   in vLLM's speculative config (the schema widening and the post-init wrappers), the refusal by
   name of what the tree path cannot run, the attention backend, the KV slots past the tree,
-  min_p / logit_bias requests, the hand-over to the worker scope, and the kernel scan that
-  numba's llvmlite trips. Each acts only on a config that asks for gsd, except the kernel scan
-  (see `wrap_rebind_kernels`).
+  min_p / logit_bias requests, and the hand-over to the engine and worker scopes. Each acts only
+  on a config that asks for gsd.
+* Engine scope, applied where a gsd engine's config is built and by a gsd worker: the kernel
+  scan that numba's llvmlite trips (see `wrap_rebind_kernels`).
 * Worker scope, applied by a gsd worker: the load of the compiled models vLLM saved (CPU), the
   graph-attention backends, the `gsd_stats` worker method.
 """
@@ -131,6 +132,7 @@ def wrap_vllm_config_post_init(original):
             _refuse_unsupported_features(self)
             _select_gsd_attention(self)
             _keep_the_targets_compile_key(self.parallel_config)
+            registry.apply("engine")
         return original(self)
 
     return __post_init__
@@ -245,11 +247,13 @@ def wrap_validate_spec_decode(original):
 
 
 def wrap_worker_init(original):
-    """Apply the worker-scope patches in the worker process, before its model runner exists."""
+    """Apply the engine- and worker-scope patches in a gsd worker's process, before its model
+    runner exists."""
 
     @functools.wraps(original)
     def __init__(self, vllm_config, *args, **kwargs):
         if is_gsd(vllm_config.speculative_config):
+            registry.apply("engine")
             registry.apply("worker")
         return original(self, vllm_config, *args, **kwargs)
 
@@ -268,13 +272,15 @@ def wrap_rebind_kernels(original):
 
     Where and when: the CPU platform (without Triton-CPU) runs the scan in
     `WorkerWrapperBase.init_worker`, in the process that hosts a worker, just after that call
-    loads the plugins and before the worker exists (so before any worker-scope patch, and in a
-    spawned worker before anything tells the plugin which engine it serves). It fails wherever
-    llvmlite is loaded then, and the plugin loads it in every process: the config patches
-    import engine/config.py, which imports the graph core (numba). Hence config scope. Where
-    llvmlite is not loaded the wrapper hides nothing; once engine/config.py imports the graph
-    core only where it is used, llvmlite is loaded only by gsd (the graph core in a gsd worker,
-    inherited by the processes it forks) and the wrapper acts only there.
+    loads the plugins and before the worker exists (so before any worker-scope patch). It fails
+    wherever llvmlite is loaded then. Loading the plugin loads no numba (engine/config.py imports
+    the graph core only where a drafter is built), and on a CPU vLLM spawns its engine core and
+    workers (fresh interpreters), so a spawned scan never meets llvmlite, gsd or not. It does in
+    a process that already ran gsd code in itself: with VLLM_ENABLE_V1_MULTIPROCESSING=0 the
+    engine core and the worker run in the caller's process, and after a gsd engine there (its
+    drafter loaded numba) the next engine's scan, plain or gsd, fails. Hence engine scope: the
+    wrapper is applied where a gsd engine's config is built (before its first scan in that
+    process) and by every gsd worker, and a process that never asks for gsd keeps vLLM's scan.
     """
 
     @functools.wraps(original)

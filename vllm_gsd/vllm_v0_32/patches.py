@@ -59,16 +59,9 @@ CONFIG_PATCHES = [
     ),
     Patch(
         target="vllm.v1.worker.worker_base:WorkerBase.__init__",
-        why="apply worker-scope patches lazily, inside worker processes",
+        why="apply engine- and worker-scope patches lazily, inside gsd worker processes",
         scope="config",
         wrap=impl.wrap_worker_init,
-    ),
-    Patch(
-        target="vllm.triton_utils.dispatcher:_rebind_kernels",
-        why="the CPU kernel-override scan, run before any worker exists, trips on llvmlite (numba), "
-            "which the plugin's own config patches load",
-        scope="config",
-        wrap=impl.wrap_rebind_kernels,
     ),
     Patch(
         target="vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
@@ -91,6 +84,21 @@ CONFIG_PATCHES = [
             "hands its workers anyway, too late",
         scope="config",
         wrap="vllm_gsd.vllm_v0_32.ray_env:wrap_pre_import_env_vars",
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------
+# Engine layer (a process that builds a gsd engine's config, and every gsd worker)
+# ---------------------------------------------------------------------------------------------
+
+ENGINE_PATCHES = [
+    Patch(
+        target="vllm.triton_utils.dispatcher:_rebind_kernels",
+        why="the CPU kernel-override scan, run before a worker exists, trips on llvmlite (numba), "
+            "which gsd's graph core loads: an engine started after a gsd engine in the same "
+            "process (VLLM_ENABLE_V1_MULTIPROCESSING=0) scans beside it",
+        scope="engine",
+        wrap=impl.wrap_rebind_kernels,
     ),
 ]
 
@@ -267,5 +275,5 @@ DRAFTER_LOADED_ATTRIBUTES = ("_draft_attn_layer_names", "model", "draft_attn_gro
 def declare_all() -> None:
     """Put every patch and use above into the registry (once)."""
     if not registry.registered():
-        for entry in CONFIG_PATCHES + WORKER_PATCHES + USES:
+        for entry in CONFIG_PATCHES + ENGINE_PATCHES + WORKER_PATCHES + USES:
             registry.register(entry)

@@ -4,8 +4,11 @@ Every change to a vLLM object is a `Patch`: what it targets ("module:Qualified.n
 when it applies:
 
 * scope "config": in every process, when the plugin loads (config classes are built in the API
-  server, the engine core and the workers alike); each acts only on a config asking for gsd,
-  but for the kernel scan's (config_patches.wrap_rebind_kernels);
+  server, the engine core and the workers alike); each acts only on a config asking for gsd;
+* scope "engine": in a process that builds a gsd engine's config (VllmConfig.__post_init__ with
+  gsd) and in every gsd worker, before its worker-scope patches: what a process needs once it
+  runs or hosts gsd code, but a process without gsd must not get (the kernel scan's wrapper,
+  config_patches.wrap_rebind_kernels);
 * scope "worker": lazily, when the first gsd worker is constructed in a process, so that model
   runner modules (which import device code) are never imported in the API server, and a process
   without a gsd worker gets none of them.
@@ -36,7 +39,7 @@ logger = logging.getLogger(LOGGER_NAME)
 
 PINNED_VLLM_VERSION = "0.32.0"
 
-Scope = Literal["config", "worker"]
+Scope = Literal["config", "engine", "worker"]
 
 
 class VllmVersionMismatch(RuntimeError):
