@@ -18,18 +18,12 @@ import math
 
 import pytest
 
+from vllm_gsd.testing.engines import token_ids, token_prompts
+
 pytestmark = pytest.mark.engine
 
 TEXTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n", "for i in range(10):\n", "class A:\n    def f(self):\n"]
 GSD_ENGINES = ["gsd", "gsd_defaults"]
-
-
-def _prompts(tokenizer, texts=TEXTS):
-    return [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
-
-
-def _token_ids(llm, prompts, params):
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def _params(**option):
@@ -48,9 +42,9 @@ def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, trees=Tru
     without = [_params(**plain_option)] * len(prompts)
     outputs = engines.get(gsd_engine).generate(prompts + prompts, with_option, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outputs]
-    want = _token_ids(engines.get("target"), prompts + prompts, with_option)
+    want = token_ids(engines.get("target"), prompts + prompts, with_option)
     assert got == want
-    unchanged = _token_ids(engines.get("target"), prompts, without)
+    unchanged = token_ids(engines.get("target"), prompts, without)
     assert want[:len(prompts)] != unchanged, f"{option} does not change this batch's output: the test cannot fail"
     if gsd_engine == "gsd":
         verified = [acceptance_of([o]) for o in outputs[:len(prompts)]]
@@ -70,7 +64,7 @@ def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, trees=Tru
     {"allowed_token_ids": list(range(300, 700))},
 ], ids=["repetition_penalty", "presence_frequency", "logit_bias", "bad_words", "allowed_token_ids"])
 def test_greedy_option_is_served_exactly(engines, tokenizer, gsd_engine, option):
-    _served_exactly_beside_trees(engines, gsd_engine, _prompts(tokenizer), option)
+    _served_exactly_beside_trees(engines, gsd_engine, token_prompts(tokenizer, TEXTS), option)
 
 
 def test_extra_args_keep_their_trees(engines, tokenizer):
@@ -78,18 +72,18 @@ def test_extra_args_keep_their_trees(engines, tokenizer):
     gsd engine refuses at start: a request carrying them is verified as a tree, exactly."""
     from vllm_gsd.testing.engines import acceptance_of
 
-    prompts = _prompts(tokenizer)
+    prompts = token_prompts(tokenizer, TEXTS)
     params = _params(extra_args={"request_tag": "a"})
     got = engines.get("gsd").generate(prompts, params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in got] == _token_ids(engines.get("target"), prompts, params)
+    assert [list(o.outputs[0].token_ids) for o in got] == token_ids(engines.get("target"), prompts, params)
     assert acceptance_of(got)[1] > 0
 
 
 @pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
 def test_min_tokens_holds_back_a_stop_token(engines, tokenizer, gsd_engine):
     """A stop token the target emits early is held back until min_tokens."""
-    prompts = _prompts(tokenizer)
-    stop = _token_ids(engines.get("target"), prompts[:1], _params())[0][3]
+    prompts = token_prompts(tokenizer, TEXTS)
+    stop = token_ids(engines.get("target"), prompts[:1], _params())[0][3]
     _served_exactly_beside_trees(engines, gsd_engine, prompts,
                                  {"min_tokens": 12, "stop_token_ids": [stop], "ignore_eos": False},
                                  stop_token_ids=[stop], ignore_eos=False)
@@ -105,18 +99,18 @@ def test_thinking_budget_ends_thinking_on_the_budgeted_row(engines, tokenizer, g
 
     start = tokenizer(TEST_REASONING["reasoning_start_str"], add_special_tokens=False)["input_ids"]
     end = tokenizer(TEST_REASONING["reasoning_end_str"], add_special_tokens=False)["input_ids"]
-    prompts = [{"prompt_token_ids": p["prompt_token_ids"] + start} for p in _prompts(tokenizer)]
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"] + start} for p in token_prompts(tokenizer, TEXTS)]
     budgeted, plain = _params(max_tokens=16, thinking_token_budget=3), _params(max_tokens=16)
     params = [plain, budgeted, plain, budgeted]
     outputs = engines.get(gsd_engine).generate(prompts, params, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outputs]
-    want = _token_ids(engines.get("target"), prompts, params)
+    want = token_ids(engines.get("target"), prompts, params)
     assert got == want
     # The thinking budget's state follows a chain of drafts: its requests get no tree.
     if gsd_engine == "gsd":
         assert [acceptance_of([o])[0] > 0 for o in outputs] == [True, False, True, False]
     ends = [any(out[i:i + len(end)] == end for i in range(len(out))) for out in want]
-    unbudgeted = _token_ids(engines.get("target"), prompts, plain)
+    unbudgeted = token_ids(engines.get("target"), prompts, plain)
     assert [want[1], want[3]] != [unbudgeted[1], unbudgeted[3]] and ends[1] and ends[3]
 
 
@@ -126,7 +120,7 @@ def test_logprob_token_ids_beside_tree_requests(engines, tokenizer, gsd_engine):
     the requests themselves are verified as trees."""
     from vllm_gsd.testing.engines import acceptance_of
 
-    prompts = _prompts(tokenizer)
+    prompts = token_prompts(tokenizer, TEXTS)
     asking = _params(logprob_token_ids=[11, 12, 100])
     params = [_params(), asking, _params(), asking]
     got = engines.get(gsd_engine).generate(prompts, params, use_tqdm=False)
@@ -145,8 +139,8 @@ def test_logprob_token_ids_beside_tree_requests(engines, tokenizer, gsd_engine):
 @pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
 def test_logprobs_along_accepted_paths(engines, tokenizer, gsd_engine):
     params = _params(max_tokens=20, logprobs=3)
-    got = engines.get(gsd_engine).generate(_prompts(tokenizer), params, use_tqdm=False)
-    want = engines.get("target").generate(_prompts(tokenizer), params, use_tqdm=False)
+    got = engines.get(gsd_engine).generate(token_prompts(tokenizer, TEXTS), params, use_tqdm=False)
+    want = engines.get("target").generate(token_prompts(tokenizer, TEXTS), params, use_tqdm=False)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lp_g, lp_w in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
@@ -159,8 +153,8 @@ def test_n_greater_than_one(engines, tokenizer):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True, n=3)
-    first = engines.get("gsd").generate(_prompts(tokenizer)[:1], params, use_tqdm=False)[0]
-    again = engines.get("gsd").generate(_prompts(tokenizer)[:1], params, use_tqdm=False)[0]
+    first = engines.get("gsd").generate(token_prompts(tokenizer, TEXTS)[:1], params, use_tqdm=False)[0]
+    again = engines.get("gsd").generate(token_prompts(tokenizer, TEXTS)[:1], params, use_tqdm=False)[0]
     assert len(first.outputs) == 3 and all(len(c.token_ids) == 16 for c in first.outputs)
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
@@ -194,7 +188,7 @@ def test_structured_output_is_served_exactly_with_trees(engines, tokenizer, gsd_
 
     from vllm_gsd.testing.engines import acceptance_of
 
-    prompts = _prompts(tokenizer)
+    prompts = token_prompts(tokenizer, TEXTS)
     params = [_structured(**kind)] * 4 + [_params()] * 4
     got = engines.get(gsd_engine).generate(prompts + prompts, params, use_tqdm=False)
     want = engines.get("target").generate(prompts + prompts, params, use_tqdm=False)
@@ -209,7 +203,7 @@ def test_structured_output_is_served_exactly_with_trees(engines, tokenizer, gsd_
             value = json.loads(text)
             assert set(value) == {"size", "ok", "kind"} and value["size"] in (1, 2, 3), value
             assert isinstance(value["ok"], bool) and value["kind"] in ("import", "def", "class"), value
-    unconstrained = _token_ids(engines.get("target"), prompts, _params(max_tokens=48))
+    unconstrained = token_ids(engines.get("target"), prompts, _params(max_tokens=48))
     assert [list(o.outputs[0].token_ids) for o in want[:4]] != unconstrained  # the grammar is visible
     if gsd_engine == "gsd":
         verified = [acceptance_of([o]) for o in got]

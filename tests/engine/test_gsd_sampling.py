@@ -7,6 +7,8 @@ from collections import Counter
 
 import pytest
 
+from vllm_gsd.testing.engines import greedy_params, token_prompts
+
 pytestmark = pytest.mark.engine
 
 PROMPT = "def parse(text):\n    "
@@ -36,11 +38,9 @@ def _sample_outputs(llm, tokenizer, temperature=1.0, seed_offset=0, seeded=True,
                     **options):
     """The RequestOutputs of `_samples`, sampled `group` requests at a time (each group beside
     the greedy ones), with sampling `options` beside the temperature, top-k and top-p."""
-    from vllm import SamplingParams
-
     ids = tokenizer(PROMPT, add_special_tokens=False)["input_ids"]
     params = [_params(seed_offset + i if seeded else None, temperature, **options) for i in range(NUM_SAMPLES)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    greedy = greedy_params(8)
     others = [{"prompt_token_ids": tokenizer(f"x = {i}\n", add_special_tokens=False)["input_ids"]}
               for i in range(greedy_beside)]
     outputs = []
@@ -140,10 +140,10 @@ def test_sampling_accepts_nearly_as_much_as_greedy(engines, tokenizer):
     from vllm_gsd.testing.engines import mean_acceptance_length_of
     from vllm_gsd.testing.prompts import tiny_prompts
 
-    prompts = [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in tiny_prompts()]
+    prompts = token_prompts(tokenizer, tiny_prompts())
     llm = engines.get("gsd")
     greedy = mean_acceptance_length_of(llm.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True), use_tqdm=False))
+        prompts, greedy_params(64), use_tqdm=False))
     sampled = mean_acceptance_length_of(llm.generate(
         prompts * 3, [SamplingParams(temperature=1.0, seed=i, max_tokens=64, ignore_eos=True)
                       for i in range(3 * len(prompts))], use_tqdm=False))
@@ -172,11 +172,9 @@ def test_seeded_sampling_is_reproducible_in_any_batch(engines, tokenizer, gsd_en
 
 def test_greedy_requests_stay_exact_beside_sampled_ones(engines, tokenizer):
     """vLLM 0.32's own draft_model breaks greedy requests in such mixes on CPU; GSD must not."""
-    from vllm import SamplingParams
-
     texts = ["def fibonacci(n):\n    ", "import os\n", "class A:\n    def f(self):\n", "x = [", "if x:\n"]
-    prompts = [{"prompt_token_ids": tokenizer(t, add_special_tokens=False)["input_ids"]} for t in texts]
-    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = token_prompts(tokenizer, texts)
+    greedy = greedy_params(32)
     mixed = [greedy if i % 2 == 0 else _params(seed=i, max_tokens=32) for i in range(len(prompts))]
     gsd_out = engines.get("gsd").generate(prompts, mixed, use_tqdm=False)
     ref_out = engines.get("target").generate(prompts[::2], greedy, use_tqdm=False)
