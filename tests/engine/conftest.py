@@ -108,7 +108,10 @@ class _Engines:
                 try:
                     # GSD's default knobs (CPU-like cost curves): the free-tree twin at tp 2 is
                     # test_gsd_tp's rank-skew engine.
-                    llm = make_llm(target, default_gsd_config(self.models["perturbed"]), tensor_parallel_size=2)
+                    from vllm_gsd.testing.worker_probes import WORKER_PROBES
+
+                    llm = make_llm(target, default_gsd_config(self.models["perturbed"]), tensor_parallel_size=2,
+                                   worker_extension_cls=WORKER_PROBES)
                 finally:
                     if previous is None:
                         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")

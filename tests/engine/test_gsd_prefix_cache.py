@@ -31,14 +31,15 @@ def test_a_prefix_cached_without_draft_kv_keeps_the_drafts_acceptance(engines, t
     KV it never wrote)."""
     from vllm.sampling_params import StructuredOutputsParams
 
-    cached_by = {"structured_outputs": StructuredOutputsParams(choice=["import os", "def f"])}
     prefix = shared_prefix(tokenizer, seed=7)
     sharers = [{"prompt_token_ids": prefix + tokenizer(f"\n# part {i}\n", add_special_tokens=False)["input_ids"]}
                for i in range(8)]
     results = {}
     for name in ("gsd", "gsd_no_prefix_cache"):
         llm = engines.get(name)
-        llm.generate([{"prompt_token_ids": prefix}], greedy_params(40, **cached_by), use_tqdm=False)
+        # A grammar request of its own per engine: vLLM records the backend it chose on the params.
+        grammar = StructuredOutputsParams(choice=["import os", "def f"])
+        llm.generate([{"prompt_token_ids": prefix}], greedy_params(40, structured_outputs=grammar), use_tqdm=False)
         outputs = llm.generate(sharers, greedy_params(40), use_tqdm=False)
         results[name] = outputs
     want = engines.get("target").generate(sharers, greedy_params(40), use_tqdm=False)

@@ -65,10 +65,9 @@ JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["si
                "properties": {"size": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}}}
 
 
-def test_json_mode_and_tool_calls_through_the_openai_api(gsd_server, engines, tiny_models):
-    """`response_format` with a JSON schema, and a named tool call (vLLM constrains its
-    arguments with the function's schema): both grammars run over trees. The JSON is the target's
-    and fits the schema; the tool call's arguments parse and fit the function's parameters."""
+def test_json_mode_through_the_openai_api(gsd_server, engines, tiny_models):
+    """`response_format` with a JSON schema: the grammar runs over trees. The JSON is the
+    target's and fits the schema."""
     from vllm.sampling_params import StructuredOutputsParams
 
     url, _ = gsd_server
@@ -84,15 +83,6 @@ def test_json_mode_and_tool_calls_through_the_openai_api(gsd_server, engines, ti
     assert content == want
     value = json.loads(content)
     assert set(value) == {"size", "ok"} and value["size"] in (1, 2, 3) and isinstance(value["ok"], bool)
-
-    tool = {"type": "function", "function": {"name": "set_size", "parameters": JSON_SCHEMA}}
-    reply = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
-        "model": tiny_models["target"], "messages": messages, "max_tokens": 48, "temperature": 0.0,
-        "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "set_size"}}})
-    assert reply.status_code == 200, reply.text
-    call = reply.json()["choices"][0]["message"]["tool_calls"][0]["function"]
-    arguments = json.loads(call["arguments"])
-    assert call["name"] == "set_size" and set(arguments) == {"size", "ok"} and arguments["size"] in (1, 2, 3)
 
 
 def test_streaming_and_metrics(gsd_server, tiny_models):

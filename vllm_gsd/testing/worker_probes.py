@@ -48,6 +48,10 @@ def _ray_actor_id() -> str | None:
 class WorkerProbes:
     """Methods added to vLLM's worker class (self is the worker)."""
 
+    def gsd_test_exports_metrics(self) -> bool:
+        """Whether this worker adds its figures to the vllm:gsd_* counters (one rank does)."""
+        return self.model_runner.gsd.metrics.exports
+
     def gsd_test_worker_info(self) -> dict:
         """Where this worker runs and what it was configured with."""
         from vllm.distributed import get_tp_group
