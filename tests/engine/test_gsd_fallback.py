@@ -48,7 +48,6 @@ def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, trees=Tru
     assert want[:len(prompts)] != unchanged, f"{option} does not change this batch's output: the test cannot fail"
     if gsd_engine == "gsd":
         verified = [acceptance_of([o]) for o in outputs[:len(prompts)]]
-        print(f"{option}: (verify steps, accepted nodes) per request {verified}")
         if trees:  # verified as trees, and the draft, proposing under the option, had nodes accepted
             assert all(steps for steps, _ in verified) and sum(a for _, a in verified) > 0, verified
         else:

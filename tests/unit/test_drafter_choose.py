@@ -9,13 +9,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from vllm import SamplingParams
 
 from vllm_gsd.engine.drafter.batch import DraftBatch
 from vllm_gsd.engine.drafter.choose import CandidateChooser, tokens_left
 from vllm_gsd.engine.sampling import noise_key
-
-pytest.importorskip("vllm")
-from vllm import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
 NODE_BUDGET = 4

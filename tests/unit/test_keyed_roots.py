@@ -19,8 +19,6 @@ import pytest
 import torch
 from sampling_stand_ins import sampling_metadata
 
-pytest.importorskip("vllm")
-
 TARGET_PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
 NUM_REQUESTS = 4000
 NUM_COMPUTED = 17  # every request's tokens so far; its next token sits at position 18

@@ -11,8 +11,6 @@ import pytest
 import torch
 from sampling_stand_ins import sampling_metadata
 
-pytest.importorskip("vllm")
-
 VOCAB = 32
 PROMPT = [1, 2, 3, 7]
 OUTPUT = [3, 4, 5]

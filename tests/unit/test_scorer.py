@@ -4,11 +4,8 @@ after it, and the logprobs vLLM reports along it, for trees built by hand."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 from sampling_stand_ins import sampling_metadata
-
-pytest.importorskip("vllm")
 
 VOCAB = 16
 # Request 0: a tree of 4 nodes under its root (rows 1..4): rows 1, 2 children of the root,
