@@ -1,17 +1,27 @@
 #!/usr/bin/env python
-"""GPU check of the vllm-gsd Triton kernels: correctness against the torch references, then a
-timing table for graph-masked attention.
+"""GPU check of the vllm-gsd Triton kernels: the deployment probe (scripts/gpu_probe.py), correctness
+against the torch references, then a timing table for graph-masked attention.
 
 Runs on a CUDA machine with torch + triton and WITHOUT vLLM (nothing imported here needs it),
 from the repository root, as a module (no install of vllm-gsd needed: `python -m` puts the root on
 sys.path, and kernels/ is loaded as vllm_gsd.kernels when the package is not installed):
 
-    python -m scripts.gpu_check --out gpu_check.md          # full check + benchmark
-    python -m scripts.gpu_check --no-bench                  # correctness only
-    TRITON_INTERPRET=1 python -m scripts.gpu_check --cpu-smoke   # tiny shapes, CPU interpreter
+    python -m scripts.gpu_check --out $OUT                  # everything: probe, checks, benchmark
+    python -m scripts.gpu_check --no-bench --no-probe       # correctness only
+    python -m scripts.gpu_check --cpu-smoke --out /tmp/gc   # tiny shapes, CPU interpreter
+
+--out DIR writes DIR/gpu_check.md and DIR/gpu_check.json (--out FILE.md: that file and FILE.json),
+rewritten after every section so a run cut short still leaves its results; without --out, $OUT
+when set. The run stops adding work when --budget-s runs out (each section notes what it skipped)
+and prints a short summary table last. docs/gpu-check.md: the one-call command and the sections.
 
 Random inputs and loop oracles come from scripts/tools/kernel_testutils.py (shared with
-tests/kernels).
+tests/kernels). Nothing here needs vLLM or numba: vllm_gsd.graph references are loaded through
+gpu_probe.graph_module.
+
+Probe (scripts/gpu_probe.py; --probe picks sections, --no-probe skips them): launch buckets
+compiled with their resources, deployment shapes on vLLM-strided NaN-poisoned caches, offsets past
+2**31 elements, host vs device microseconds over 80 layers, tree-walk syncs, Gumbel noise cost.
 
 Correctness (exit status 1 if any fails):
   * graph_attention (Triton) vs graph_attention_ref over layouts gpu / gpu_bhnc (strided) / cpu,
@@ -39,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -54,7 +66,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None, help="write the markdown report here")
+    ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT") else None,
+                    help="report folder (gpu_check.md + gpu_check.json), or a .md file; default $OUT")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="stop adding work after this many seconds (sections note what they skip)")
+    ap.add_argument("--probe", default="buckets,deploy,offsets,host,walk,gumbel",
+                    help="probe sections to run, in this order (scripts/gpu_probe.py)")
+    ap.add_argument("--no-probe", action="store_true", help="skip the probe sections")
     ap.add_argument("--no-bench", action="store_true", help="correctness checks only")
     ap.add_argument("--no-check", action="store_true", help="benchmark only")
     ap.add_argument("--cpu-smoke", action="store_true",
@@ -66,8 +84,13 @@ def _parse():
 
 
 ARGS = _parse()
+START = time.monotonic()
 if ARGS.cpu_smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first triton import
+elif "TRITON_CACHE_DIR" not in os.environ:
+    # Cold compiles: the bucket section reports compile seconds, which a warm on-disk cache
+    # (a second run on the same machine) would hide.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="gsd-triton-cache-")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -95,7 +118,8 @@ def _load_kernels():
 
 
 K = _load_kernels()
-from scripts.tools import kernel_testutils as TU  # noqa: E402 - imports vllm_gsd.kernels, loaded above
+from scripts import gpu_probe as P  # noqa: E402 - imports vllm_gsd.kernels, loaded above
+from scripts.tools import kernel_testutils as TU  # noqa: E402
 
 if ARGS.cpu_smoke:
     DEV = torch.device("cpu")
@@ -127,8 +151,9 @@ def check(name: str, fn) -> None:
 
 
 def graph_ref(module: str, attr: str):
-    """The graph room's torch reference (vllm_gsd.graph imports no vLLM)."""
-    return getattr(importlib.import_module(module), attr)
+    """The graph room's torch reference vllm_gsd.graph.<module>.<attr>, loaded without vLLM and,
+    where numba is missing, without the graph package's numba-compiled builder."""
+    return getattr(P.graph_module(module), attr)
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -223,7 +248,7 @@ def check_attention():
 
 
 def check_ancestors():
-    ref = graph_ref("vllm_gsd.graph", "ancestor_words_from_parents")
+    ref = graph_ref("ancestors", "ancestor_words_from_parents")
     for seed, n, b in [(1, 16, 8), (2, 64, 16), (3, 256, 32), (4, 300, 4)]:
         def run(seed=seed, n=n, b=b):
             g = TU.gen(seed)
@@ -278,7 +303,7 @@ def check_compaction():
 
 
 def check_walk():
-    ref = graph_ref("vllm_gsd.graph.acceptance", "walk_tree")
+    ref = graph_ref("acceptance", "walk_tree")
     for seed, n, b in [(1, 16, 64), (2, 64, 64), (3, 256, 8)]:
         def run(seed=seed, n=n, b=b):
             g = TU.gen(seed)
@@ -397,6 +422,9 @@ def run_bench() -> list[str]:
     for b in batches:
         for n in nodes:
             for ctx in ctxs:
+                if time.monotonic() - START > ARGS.budget_s - 15:
+                    lines.append(f"| {b} | {n} | {ctx} | skipped: time budget | | | | |")
+                    continue
                 try:
                     tg, tc, ts = bench_config(b, n, ctx, **kw)
                     lines.append(f"| {b} | {n} | {ctx} | {tg:.4f} | {tc:.4f} | {tg / tc:.2f} | {ts:.4f} | {tg / ts:.2f} |")
@@ -410,18 +438,61 @@ def run_bench() -> list[str]:
     return lines
 
 
+def report_paths() -> tuple[Path, Path] | None:
+    """(markdown, json) paths from --out: a .md file and its .json twin, or a folder's
+    gpu_check.md / gpu_check.json; None without --out."""
+    if ARGS.out is None:
+        return None
+    if ARGS.out.suffix == ".md":
+        return ARGS.out, ARGS.out.with_suffix(".json")
+    return ARGS.out / "gpu_check.md", ARGS.out / "gpu_check.json"
+
+
+def write_report(probe, table: list[str], final: bool = False) -> None:
+    """(Re)write the markdown and JSON reports with everything so far."""
+    paths = report_paths()
+    if paths is None:
+        return
+    md, js = paths
+    md.parent.mkdir(parents=True, exist_ok=True)
+    summary = probe.summary() if probe is not None else []
+    md.write_text("\n".join(LOG + table + ["", "## Summary", ""] + summary
+                            + ["", f"failures: {len(FAILURES)}"] + [f"- {f}" for f in FAILURES]) + "\n")
+    data = dict(
+        device=DEVICE_NAME, torch=torch.__version__, triton=TRITON_VERSION, smoke=ARGS.cpu_smoke,
+        elapsed_s=round(time.monotonic() - START, 1), finished=final, budget_s=ARGS.budget_s,
+        probe=probe.results if probe is not None else {},
+        checks=[line for line in LOG if line.startswith(("PASS", "FAIL", "SKIP"))],
+        bench=table, failures=FAILURES)
+    js.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+DEVICE_NAME = torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (Triton interpreter)"
+TRITON_VERSION = ""
+
+
 def main() -> int:
+    global TRITON_VERSION
     import triton  # noqa: PLC0415
 
-    log(f"# vllm-gsd kernels GPU check\n\ndevice: "
-        f"{torch.cuda.get_device_name() if DEV.type == 'cuda' else 'cpu (Triton interpreter)'}; "
-        f"torch {torch.__version__}; triton {triton.__version__}\n")
+    TRITON_VERSION = triton.__version__
+    log(f"# vllm-gsd kernels GPU check\n\ndevice: {DEVICE_NAME}; torch {torch.__version__}; "
+        f"triton {triton.__version__}; budget {ARGS.budget_s:.0f} s\n")
+    probe = None
+    if not ARGS.no_probe:
+        sections = [x for x in ARGS.probe.split(",") if x]
+        probe = P.Probe(DEV, ARGS.cpu_smoke, log, FAILURES, START + ARGS.budget_s)
+        probe.run(sections, on_section_done=lambda: write_report(probe, []))
     if not ARGS.no_check:
-        log("## Correctness\n")
-        check_attention()
-        check_ancestors()
-        check_compaction()
-        check_walk()
+        log("\n## Correctness\n")
+        if time.monotonic() - START > ARGS.budget_s - 60:
+            log("SKIP  correctness checks: under 60 s of the time budget left")
+        else:
+            check_attention()
+            check_ancestors()
+            check_compaction()
+            check_walk()
+        write_report(probe, [])
     table = []
     if not ARGS.no_bench:
         log("\n## Graph attention timing\n")
@@ -429,11 +500,12 @@ def main() -> int:
             "the tree mask off (every row causal) over the same tokens; SDPA = torch SDPA with an "
             "explicit bool mask on dense pre-gathered, pre-expanded K/V (gather not timed).\n")
         table = run_bench()
-    report = "\n".join(LOG + table + ["", f"failures: {len(FAILURES)}"] + [f"- {f}" for f in FAILURES]) + "\n"
-    if ARGS.out:
-        ARGS.out.parent.mkdir(parents=True, exist_ok=True)
-        ARGS.out.write_text(report)
-        print(f"report written to {ARGS.out}")
+    write_report(probe, table, final=True)
+    if report_paths():
+        print(f"report written to {', '.join(map(str, report_paths()))}")
+    print(f"\nelapsed {time.monotonic() - START:.1f} s")
+    if probe is not None:
+        print("\n".join(probe.summary()))
     if FAILURES:
         print(f"\n{len(FAILURES)} FAILED: " + "; ".join(FAILURES), file=sys.stderr)
         return 1
