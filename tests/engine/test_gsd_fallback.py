@@ -1,6 +1,6 @@
 """Request options with trees: each is honoured exactly, and a request carrying it is verified
-as a tree (penalties, bad words, allowed token ids, logit bias, min_p, min_tokens, logprobs and
-logprob token ids, extra_args, a grammar) or, where a tree cannot honour it, served without one
+as a tree (penalties, bad words, allowed token ids, logit bias, min_p, min_tokens, repetition
+detection, logprobs and logprob token ids, extra_args, a grammar) or, where a tree cannot honour it, served without one
 (the thinking budget). Sampled options (min_p) are tested for their distribution in
 test_gsd_sampling.py.
 
@@ -28,7 +28,10 @@ GSD_ENGINES = ["gsd", "gsd_defaults"]
 
 def _params(**option):
     from vllm import SamplingParams
+    from vllm.sampling_params import RepetitionDetectionParams
 
+    if "repetition_detection" in option:
+        option["repetition_detection"] = RepetitionDetectionParams(**option["repetition_detection"])
     return SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **option})
 
 
@@ -61,7 +64,9 @@ def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, trees=Tru
     {"logit_bias": {11: 3.0, 12: -3.0}},
     {"bad_words": ["#"]},
     {"allowed_token_ids": list(range(300, 700))},
-], ids=["repetition_penalty", "presence_frequency", "logit_bias", "bad_words", "allowed_token_ids"])
+    {"repetition_detection": {"max_pattern_size": 4, "min_count": 3}},
+], ids=["repetition_penalty", "presence_frequency", "logit_bias", "bad_words", "allowed_token_ids",
+        "repetition_detection"])
 def test_greedy_option_is_served_exactly(engines, tokenizer, gsd_engine, option):
     _served_exactly_beside_trees(engines, gsd_engine, token_prompts(tokenizer, TEXTS), option)
 

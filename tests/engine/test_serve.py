@@ -9,7 +9,13 @@ import requests
 
 from scripts.tools import load
 from scripts.tools.server import scrape_metrics, serve, wait_drained
-from vllm_gsd.testing.engines import TEST_STRUCTURED_OUTPUTS, default_gsd_config, greedy_params, gsd_config
+from vllm_gsd.testing.engines import (
+    TEST_REASONING,
+    TEST_STRUCTURED_OUTPUTS,
+    default_gsd_config,
+    greedy_params,
+    gsd_config,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.serve]
 
@@ -29,7 +35,8 @@ def gsd_server(request, tiny_models, tmp_path_factory):
                           else default_gsd_config(tiny_models["perturbed"]))
     with serve(tiny_models["target"], speculative_config, log_path,
                ["--chat-template", CHAT_TEMPLATE, "--structured-outputs-config", json.dumps(TEST_STRUCTURED_OUTPUTS),
-                *load.SERVER_ARGS]) as server:
+                "--reasoning-config", json.dumps(TEST_REASONING),
+                "--enable-auto-tool-choice", "--tool-call-parser", "pythonic", *load.SERVER_ARGS]) as server:
         yield server.url, log_path
 
 
@@ -97,29 +104,82 @@ def test_streaming_and_metrics(gsd_server, tiny_models):
     assert "vllm:gsd_trees_verified" in metrics and "vllm:gsd_merges" in metrics
 
 
+def test_tool_calls_through_the_openai_api(gsd_server, engines, tiny_models):
+    """A named tool choice: the arguments are JSON for the tool's parameters schema, written
+    under that grammar over trees, the target's own. `tool_choice: required`: the target's call, a given tool's
+    name with arguments for its schema."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    url, _ = gsd_server
+    messages = [{"role": "user", "content": "set the loop size"}]
+    tools = [{"type": "function", "function": {"name": "set_loop", "parameters": JSON_SCHEMA}},
+             {"type": "function", "function": {"name": "stop_loop", "parameters": {
+                 "type": "object", "additionalProperties": False, "required": ["now"],
+                 "properties": {"now": {"type": "boolean"}}}}}]
+    named = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": tiny_models["target"], "messages": messages, "max_tokens": 48, "temperature": 0.0,
+        "tools": tools, "tool_choice": {"type": "function", "function": {"name": "set_loop"}}})
+    assert named.status_code == 200, named.text
+    (call,) = named.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "set_loop"
+    want = engines.get("target").chat(
+        messages, greedy_params(48, ignore_eos=False, structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA)),
+        chat_template=CHAT_TEMPLATE, use_tqdm=False)[0].outputs[0].text
+    assert call["function"]["arguments"] == want
+    arguments = json.loads(want)
+    assert set(arguments) == {"size", "ok"} and arguments["size"] in (1, 2, 3)
+
+    # `required` constrains the reply to a JSON list of {"name", "parameters"} objects (one, as
+    # parallel_tool_calls is false): vLLM's schema for it, applied to the target alone.
+    required = requests.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": tiny_models["target"], "messages": messages, "max_tokens": 64, "temperature": 0.0,
+        "tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert required.status_code == 200, required.text
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in required.json()["choices"][0]["message"]["tool_calls"]]
+    schema = get_json_schema_from_tools("required", [ChatCompletionToolsParam(**t) for t in tools],
+                                        parallel_tool_calls=False)
+    want = json.loads(engines.get("target").chat(
+        messages, greedy_params(64, ignore_eos=False, structured_outputs=StructuredOutputsParams(json=schema)),
+        chat_template=CHAT_TEMPLATE, use_tqdm=False)[0].outputs[0].text)
+    assert calls == [(c["name"], c["parameters"]) for c in want] and len(calls) == 1
+
+
 def test_a_request_served_without_a_tree_is_logged_once_with_why(gsd_server, engines, tiny_models):
-    """Repetition detection stops a request on its own output, step by step: the request decodes
-    plainly (the target's own tokens) and the server log says so, once, naming the option. A
-    penalty and a grammar, which trees honour, are not logged."""
+    """A thinking budget's state follows a chain of drafts: a budgeted request decodes plainly
+    (the target's own tokens) and the server log says so, once, naming the option. Options that
+    trees honour (repetition detection, a penalty, a grammar) are not logged, and repetition
+    detection stops the request where the target alone stops."""
     from vllm import SamplingParams
     from vllm.sampling_params import RepetitionDetectionParams
 
     url, log_path = gsd_server
+    budget = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 24,
+              "temperature": 0.0, "ignore_eos": True, "thinking_token_budget": 4}
+    replies = [requests.post(f"{url}/v1/completions", timeout=120, json=budget) for _ in range(2)]
+    want = engines.get("target").generate(
+        [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, thinking_token_budget=4),
+        use_tqdm=False)[0].outputs[0].text
+    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want]
+
     detection = {"max_pattern_size": 4, "min_count": 3}
     body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 24,
             "temperature": 0.0, "ignore_eos": True, "repetition_detection": detection}
-    replies = [requests.post(f"{url}/v1/completions", timeout=120, json=body) for _ in range(2)]
+    reply = requests.post(f"{url}/v1/completions", timeout=120, json=body).json()["choices"][0]
     want = engines.get("target").generate(
         [PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                                      repetition_detection=RepetitionDetectionParams(**detection)),
-        use_tqdm=False)[0].outputs[0].text
-    assert [r.json()["choices"][0]["text"] for r in replies] == [want, want]
+        use_tqdm=False)[0].outputs[0]
+    assert (reply["text"], reply["finish_reason"]) == (want.text, want.finish_reason)
+    assert want.finish_reason == "repetition", "the detection must stop this prompt, or the test cannot fail"
     for option in ({"presence_penalty": 0.5}, {"structured_outputs": {"choice": ["import os", "def f"]}}):
         body = {"model": tiny_models["target"], "prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0.0,
                 **option}
         assert requests.post(f"{url}/v1/completions", timeout=120, json=body).status_code == 200
     log = log_path.read_text(errors="replace").splitlines()
-    lines = [line for line in log if "is served without speculation (repetition_detection)" in line]
+    lines = [line for line in log if "is served without speculation (thinking_token_budget)" in line]
     assert len(lines) == 2, lines  # one per request, each once
     assert len([line for line in log if "is served without speculation" in line]) == 2
 
