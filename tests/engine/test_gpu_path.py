@@ -238,28 +238,99 @@ def test_encoder_layers_are_not_refused_for_their_window(vllm_config):
     make_impl(vllm_config, sliding_window=64, attn_type=AttentionType.ENCODER_ONLY)
 
 
-@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
-def test_full_cuda_graphs_are_refused(mode):
+def test_only_full_graphs_for_mixed_batches_are_refused():
+    """Tree steps are mixed batches: FULL (every batch from full graphs) is refused; the modes
+    that replay mixed batches piecewise or eagerly are kept, and unset stays vLLM's to choose."""
     from vllm.config import CompilationConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_gsd.vllm_v0_32.config_patches import _keep_attention_out_of_cuda_graphs
+    from vllm_gsd.vllm_v0_32.cuda_graphs import refuse_full_graphs_for_trees
 
-    with pytest.raises(ValueError, match=f"cudagraph_mode={mode}"):
-        _keep_attention_out_of_cuda_graphs(CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
+    with pytest.raises(ValueError, match="cudagraph_mode=FULL is not supported"):
+        refuse_full_graphs_for_trees(CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL))
+    for mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE"):
+        compilation = CompilationConfig(cudagraph_mode=CUDAGraphMode[mode])
+        refuse_full_graphs_for_trees(compilation)
+        assert compilation.cudagraph_mode == CUDAGraphMode[mode]
+    unset = SimpleNamespace(cudagraph_mode=None)
+    refuse_full_graphs_for_trees(unset)
+    assert unset.cudagraph_mode is None
 
 
-def test_unset_cuda_graph_mode_becomes_piecewise():
+def _post_init_config(mode="FULL_AND_PIECEWISE", fuse_attn_quant=False, enable_dbo=False, ubatch_size=1):
     from vllm.config.compilation import CUDAGraphMode
 
-    from vllm_gsd.vllm_v0_32.config_patches import _keep_attention_out_of_cuda_graphs
+    return SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode],
+                                           pass_config=SimpleNamespace(fuse_attn_quant=fuse_attn_quant)),
+        parallel_config=SimpleNamespace(use_ubatching=enable_dbo or ubatch_size > 1))
 
-    compilation = SimpleNamespace(cudagraph_mode=None)
-    _keep_attention_out_of_cuda_graphs(compilation)
-    assert compilation.cudagraph_mode == CUDAGraphMode.PIECEWISE
-    kept = SimpleNamespace(cudagraph_mode=CUDAGraphMode.PIECEWISE)
-    _keep_attention_out_of_cuda_graphs(kept)
-    assert kept.cudagraph_mode == CUDAGraphMode.PIECEWISE
+
+@pytest.mark.parametrize("config, env, named", [
+    ({"mode": "FULL", "fuse_attn_quant": True}, {}, "fuse_attn_quant turns PIECEWISE into FULL"),
+    ({"enable_dbo": True}, {}, "dual-batch overlap"),
+    ({"ubatch_size": 2}, {}, "micro-batching"),
+    ({}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}, "breakable CUDA graphs"),
+])
+def test_settings_vllms_post_init_brings_are_refused_by_name(monkeypatch, config, env, named):
+    """Checked again after vLLM's post-init, which can turn PIECEWISE into FULL itself."""
+    from vllm import envs
+
+    from vllm_gsd.vllm_v0_32.cuda_graphs import refuse_after_post_init
+
+    refuse_after_post_init(_post_init_config())  # vLLM's default on CUDA passes
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    with pytest.raises(ValueError, match=named):
+        refuse_after_post_init(_post_init_config(**config))
+
+
+def test_plain_steps_replay_full_graphs_and_tree_steps_piecewise(vllm_config):
+    """vLLM's own dispatcher and uniform-decode test, as a gsd runner sets them up under vLLM's
+    default FULL_AND_PIECEWISE: a decode of one token per request (GSD's plain step) gets a FULL
+    graph; a tree step (some request scheduling 1 + n tokens), even one where every request has
+    the same n, gets PIECEWISE, so its attention runs with the graph mask. Without the set-up, the
+    equal-n tree step would replay a FULL graph captured with the causal kernel. (The capture and
+    replay themselves need a GPU.)"""
+    import copy
+
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_gsd.vllm_v0_32.cuda_graphs import decode_graphs_for_plain_steps
+
+    config = copy.deepcopy(vllm_config)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8, 16, 32, 64]
+    config.compilation_config.max_cudagraph_capture_size = 64
+    # As on CUDA: vLLM's compilation, attention a splitting op run between the piecewise graphs.
+    config.compilation_config.mode = CompilationMode.VLLM_COMPILE
+    config.compilation_config.splitting_ops = list(config.compilation_config._attention_ops)
+    num_nodes = 7  # a gsd engine's num_speculative_tokens: vLLM's uniform decode is 1 + 7 tokens
+
+    def dispatch(runner, query_lens):
+        uniform = GPUModelRunner._is_uniform_decode(max(query_lens), runner.uniform_decode_query_len,
+                                                    sum(query_lens), len(query_lens))
+        return runner.cudagraph_dispatcher.dispatch(sum(query_lens), uniform_decode=uniform)[0]
+
+    runners = {}
+    for name, set_up in (("vllm", lambda runner: None), ("gsd", decode_graphs_for_plain_steps)):
+        runner = SimpleNamespace(uniform_decode_query_len=1 + num_nodes, cudagraph_dispatcher=CudagraphDispatcher(config))
+        runner.cudagraph_dispatcher.uniform_decode_query_len = 1 + num_nodes
+        set_up(runner)
+        runner.cudagraph_dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL_AND_PIECEWISE,
+                                                              runner.uniform_decode_query_len)
+        runners[name] = runner
+    plain_step, equal_trees, mixed_trees = [1] * 4, [1 + num_nodes] * 4, [1, 1 + num_nodes, 3, 1]
+    assert dispatch(runners["gsd"], plain_step) == CUDAGraphMode.FULL
+    assert dispatch(runners["gsd"], equal_trees) == CUDAGraphMode.PIECEWISE
+    assert dispatch(runners["gsd"], mixed_trees) == CUDAGraphMode.PIECEWISE
+    # vLLM's set-up would replay the equal-n tree step from a FULL graph, and the plain step not.
+    assert dispatch(runners["vllm"], equal_trees) == CUDAGraphMode.FULL
+    assert dispatch(runners["vllm"], plain_step) == CUDAGraphMode.PIECEWISE
 
 
 def _features_config(**overrides):

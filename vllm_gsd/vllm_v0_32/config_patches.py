@@ -3,7 +3,8 @@
 
 * Config scope, applied when the plugin loads in a process: "method": "gsd" and the `gsd` block
   in vLLM's speculative config (the schema widening and the post-init wrappers), the refusal by
-  name of what the tree path cannot run, the attention backend, the KV slots past the tree,
+  name of what the tree path cannot run (CUDA graphs: vllm_v0_32/cuda_graphs.py, checked again
+  after vLLM's post-init), the attention backend, the KV slots past the tree,
   min_p / logit_bias requests, and the hand-over to the engine and worker scopes. Each acts only
   on a config that asks for gsd.
 * Engine scope, applied where a gsd engine's config is built and by a gsd worker: the kernel
@@ -21,6 +22,7 @@ from typing import Any, Literal, get_args
 
 from vllm_gsd.engine.config import GSD_METHOD, GsdConfig, finalize_gsd_speculative_config, is_gsd
 from vllm_gsd.vllm_v0_32 import registry
+from vllm_gsd.vllm_v0_32.cuda_graphs import refuse_after_post_init, refuse_full_graphs_for_trees
 
 # ---------------------------------------------------------------------------------------------
 # Config scope
@@ -133,7 +135,13 @@ def wrap_vllm_config_post_init(original):
             _select_gsd_attention(self)
             _keep_the_targets_compile_key(self.parallel_config)
             registry.apply("engine")
-        return original(self)
+        original(self)
+        if is_gsd(self.speculative_config):
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cuda():
+                # vLLM's post-init can turn PIECEWISE into FULL (fuse_attn_quant): checked again.
+                refuse_after_post_init(self)
 
     return __post_init__
 
@@ -194,7 +202,6 @@ def _refuse_unsupported_features(vllm_config) -> None:
 
 def _select_gsd_attention(vllm_config) -> None:
     """The graph mask exists in two backends: CPU_ATTN (CPU) and TRITON_ATTN (CUDA)."""
-    from vllm.config.compilation import CUDAGraphMode
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -213,23 +220,7 @@ def _select_gsd_attention(vllm_config) -> None:
         )
     vllm_config.attention_config.backend = triton
     vllm_config.speculative_config.attention_backend = triton
-    _keep_attention_out_of_cuda_graphs(vllm_config.compilation_config)
-
-
-def _keep_attention_out_of_cuda_graphs(compilation) -> None:
-    """CUDA: attention of tree rows must run eagerly, between captured pieces."""
-    from vllm.config.compilation import CUDAGraphMode
-
-    if compilation.cudagraph_mode is None:
-        # The mask changes every step: attention must run outside captured graphs.
-        compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
-    elif compilation.cudagraph_mode.has_full_cudagraphs():
-        # A full graph is captured with the causal kernel for uniform batches (1 + N tokens per
-        # request) and replayed without the graph mask: tree rows would see their siblings.
-        raise ValueError(
-            f"compilation_config.cudagraph_mode={compilation.cudagraph_mode.name} is not supported "
-            "with speculative method 'gsd': attention of tree rows runs outside captured graphs; "
-            "use PIECEWISE or NONE, or leave cudagraph_mode unset")
+    refuse_full_graphs_for_trees(vllm_config.compilation_config)
 
 
 def wrap_validate_spec_decode(original):

@@ -2,14 +2,16 @@
 vllm_v0_32/patches.py installs.
 
 * `__init__`: vLLM's runner built as for draft_model, then GsdProposer (engine/proposer.py) and
-  the tree scorer (vllm_v0_32/scorer.py) in its drafter and sampler slots;
+  the tree scorer (vllm_v0_32/scorer.py) in its drafter and sampler slots; FULL CUDA graphs for
+  decodes of one token per request, GSD's plain steps (vllm_v0_32/cuda_graphs.py);
 * `build_logitsprocs`: a gsd engine keeps vLLM's built-in logits processors;
 * `initialize_kv_cache`: the live target caches are listed for compaction (a target with
   several KV-cache groups is refused), and the drafter's adaptive node budget gets its cost
   curves; `initialize_metadata_builders`: the attention builders get the runner's TreeSlot
   (target and draft layers), the draft's CPU cache packing is pinned;
 * `_dummy_run` (vLLM's dummy, profile and warm-up runs): the draft model runs too, as vLLM runs
-  its own draft_model drafter there; no tree, no request state;
+  its own draft_model drafter there; no tree, no request state; once the KV caches are bound,
+  GSD's Triton kernels are launched once per launch bucket serving can use (kernel_warmup.py);
 * `_input_fits_in_drafter`: the room for a tree is checked per request, by the drafter.
 """
 
@@ -23,6 +25,7 @@ from vllm_gsd.engine.config import is_gsd
 from vllm_gsd.engine.metrics import GsdMetrics
 from vllm_gsd.kernels.paged_layout import CpuPacking, cpu_packing
 from vllm_gsd.vllm_v0_32.attention.graph_backend import install_tree_slot
+from vllm_gsd.vllm_v0_32.cuda_graphs import decode_graphs_for_plain_steps
 from vllm_gsd.vllm_v0_32.runner.state import GsdRunnerState, is_gsd_runner
 
 
@@ -46,6 +49,7 @@ def wrap_runner_init(original):
             original(self, vllm_config, device, *args, **kwargs)
         finally:
             spec.method = "gsd"
+        decode_graphs_for_plain_steps(self)
         # Every tensor-parallel rank counts the same trees; one exports them to /metrics.
         self.gsd = GsdRunnerState(metrics=GsdMetrics(exports=get_tensor_model_parallel_rank() == 0))
         if hasattr(self, "drafter"):  # the last pipeline rank
@@ -64,9 +68,9 @@ def wrap_build_logitsprocs(original):
 
     vLLM builds only MinTokens for a speculative engine (min_p and logit_bias cannot be honoured
     on its drafts), so without this a min_p or logit_bias request would be served with the
-    option silently ignored. GSD serves such requests without a tree (engine/eligibility.py):
-    their one row a step is vLLM's Sampler's, which applies these processors by batch row.
-    Custom processors are refused at start (vllm_v0_32/patches.py), so none reaches here."""
+    option silently ignored. A tree row gets them from the scorer's per-node processing
+    (engine/node_processing.py); a request's row on a plain step from vLLM's Sampler, which
+    applies these processors by batch row. Custom processors are refused at start (vllm_v0_32/patches.py), so none reaches here."""
 
     @functools.wraps(original)
     def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs=()):
@@ -83,13 +87,18 @@ def wrap_build_logitsprocs(original):
 
 
 def wrap_dummy_run(original):
-    """vLLM's dummy runs (profile, warm-up, compile) run the draft model as well."""
+    """vLLM's dummy runs (profile, warm-up, compile) run the draft model as well; the first one
+    after the KV caches are bound launches every Triton launch bucket serving can use, so that
+    none compiles while serving (vllm_v0_32/kernel_warmup.py)."""
 
     @functools.wraps(original)
     def _dummy_run(self, num_tokens, *args, **kwargs):
         result = original(self, num_tokens, *args, **kwargs)
         if is_gsd_runner(self):
             self.drafter.dummy_run(num_tokens)
+            from vllm_gsd.vllm_v0_32.kernel_warmup import warm_up_runner
+
+            warm_up_runner(self)
         return result
 
     return _dummy_run
