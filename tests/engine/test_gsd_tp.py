@@ -1,12 +1,15 @@
 """Tensor parallelism: gsd at tp=2 (vLLM's multiprocessing executor) equals tp=1 and the target,
-every rank builds the same trees, and a rank that builds different ones stops the engine."""
+every rank builds the same trees, a rank that builds different ones stops the engine, and so does
+a rank whose drafter fails."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from vllm_gsd.testing.engines import greedy_token_ids, gsd_config, make_llm, token_prompts
-from vllm_gsd.testing.worker_probes import WORKER_PROBES, tree_counts_per_rank
+from vllm_gsd.testing.worker_probes import INJECTED_DRAFT_FAILURE, WORKER_PROBES, tree_counts_per_rank
 
 pytestmark = pytest.mark.engine
 
@@ -52,3 +55,28 @@ def test_rank_that_builds_other_trees_stops_the_engine(tiny_models, engines, tok
     logs = logs.out + logs.err
     for rank in (0, 1):
         assert f"tensor-parallel rank {rank} proposed different trees" in logs
+
+
+@pytest.mark.timeout(180)  # a hang fails here; without runner/rank_failure.py it lasts 300 s
+def test_rank_whose_drafter_fails_stops_the_engine(tiny_models, tokenizer, monkeypatch, capfd):
+    """Rank 1's draft forward raises (out of memory) before the draft's all-reduce: vLLM's
+    executor hears only rank 0, which would wait for rank 1 in that all-reduce. Rank 1 names
+    itself and the error and ends its worker; the engine stops within seconds."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per CPU worker
+    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"]), tensor_parallel_size=2,
+                   worker_extension_cls=WORKER_PROBES)
+    try:
+        assert llm.collective_rpc("gsd_test_fail_draft", args=(1,)) == [False, True]
+        capfd.readouterr()
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            greedy_token_ids(llm, token_prompts(tokenizer, TEXTS[:1]), 8)  # the first step drafts
+        assert time.monotonic() - started < 60
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    logs = capfd.readouterr()
+    logs = logs.out + logs.err
+    assert ("gsd: tensor-parallel rank 1 failed in its drafter: OutOfMemoryError: "
+            f"{INJECTED_DRAFT_FAILURE} (tensor-parallel rank 1)") in logs

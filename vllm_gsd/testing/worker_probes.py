@@ -18,6 +18,8 @@ WORKER_PROBES = "vllm_gsd.testing.worker_probes.WorkerProbes"
 # GsdStats fields that count trees and nodes: equal on every tensor-parallel rank when the ranks
 # build the same trees (the timing fields differ per rank).
 TREE_COUNTS = ("trees_verified", "nodes_verified", "accepted_nodes", "graph_nodes_drafted", "merges")
+# What `WorkerProbes.gsd_test_fail_draft` raises.
+INJECTED_DRAFT_FAILURE = "gsd test: injected draft out-of-memory"
 
 
 def tree_counts_per_rank(llm) -> list[dict[str, int]]:
@@ -94,6 +96,24 @@ class WorkerProbes:
             return tree
 
         drafter._grow = skewed_grow
+        return True
+
+    def gsd_test_fail_draft(self, tp_rank: int) -> bool:
+        """From now on, the next draft forward of the worker of tensor-parallel rank `tp_rank`
+        raises `INJECTED_DRAFT_FAILURE` (an out-of-memory error, as a rank whose draft runs out
+        of memory raises it) before it reaches the draft model's collectives. Returns whether
+        this worker is that rank."""
+        import torch
+        from vllm.distributed import get_tp_group
+
+        if get_tp_group().rank_in_group != tp_rank:
+            return False
+        drafter = self.model_runner.drafter
+
+        def failing_forward(*args, **kwargs):
+            raise torch.OutOfMemoryError(f"{INJECTED_DRAFT_FAILURE} (tensor-parallel rank {tp_rank})")
+
+        drafter._forward = failing_forward
         return True
 
     def gsd_test_slow_draft(self, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """A gsd runner's drafts: the wrappers that vllm_v0_32/patches.py installs.
 
 * `propose_draft_token_ids`: GsdProposer.propose_tree on the sampled tokens (after bookkeeping);
+  an error in it on one rank of a multi-worker engine stops the engine (runner/rank_failure.py);
 * `take_draft_token_ids`: the drafts as vLLM hands them to the scheduler, with the tree of every
   structured-output request (vllm_v0_32/scheduler_hooks.py).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+from vllm_gsd.vllm_v0_32.runner.rank_failure import stop_on_rank_failure
 from vllm_gsd.vllm_v0_32.runner.state import is_gsd_runner
 
 
@@ -17,7 +19,10 @@ def wrap_propose_draft_token_ids(original):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         if not is_gsd_runner(self):
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        return self.drafter.propose_tree(self, scheduler_output, sampled_token_ids)
+        try:
+            return self.drafter.propose_tree(self, scheduler_output, sampled_token_ids)
+        except Exception as error:
+            stop_on_rank_failure(self, "drafter", error)
 
     return propose_draft_token_ids
 

@@ -2,7 +2,8 @@
 
 The rejection sampler is GsdRejectionSampler (vllm_v0_32/scorer.py), which scores the trees;
 then the accepted nodes' KV moves to consecutive positions (`_compact_target_kv`) and GSD's
-counters are updated.
+counters are updated. An error in this on one rank of a multi-worker engine stops the engine
+(runner/rank_failure.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_gsd.engine.tree_batch import TreeBatch
+from vllm_gsd.vllm_v0_32.runner.rank_failure import stop_on_rank_failure
 from vllm_gsd.vllm_v0_32.runner.state import is_gsd_runner
 from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
 
@@ -25,14 +27,17 @@ def wrap_sample(original):
     def _sample(self, logits, spec_decode_metadata):
         if not is_gsd_runner(self) or not isinstance(spec_decode_metadata, TreeSpecDecodeMetadata):
             return original(self, logits, spec_decode_metadata)
-        started = time.perf_counter()
-        output = original(self, logits, spec_decode_metadata)
-        scored = time.perf_counter()
-        tree = spec_decode_metadata.tree
-        _compact_target_kv(self, tree, output.accepted)
-        self.gsd.metrics.add(verify_us=int((scored - started) * 1e6),
-                             kv_compaction_us=int((time.perf_counter() - scored) * 1e6),
-                             **_tree_counts(tree, output.accepted))
+        try:
+            started = time.perf_counter()
+            output = original(self, logits, spec_decode_metadata)
+            scored = time.perf_counter()
+            tree = spec_decode_metadata.tree
+            _compact_target_kv(self, tree, output.accepted)
+            self.gsd.metrics.add(verify_us=int((scored - started) * 1e6),
+                                 kv_compaction_us=int((time.perf_counter() - scored) * 1e6),
+                                 **_tree_counts(tree, output.accepted))
+        except Exception as error:
+            stop_on_rank_failure(self, "tree scoring", error)
         return output
 
     return _sample
