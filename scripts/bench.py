@@ -7,7 +7,8 @@ time (b requests in flight). Greedy outputs of every configuration are checked t
 no speculation.
 
     .venv/bin/python -m scripts.bench --pair qwen            # the realistic pair (downloads ~1.6 GB once)
-    .venv/bin/python -m scripts.bench --quick                # tiny pair, a few minutes (CI smoke test)
+    .venv/bin/python -m scripts.bench --quick                # tiny pair, every workload (CI smoke test)
+    .venv/bin/python -m scripts.bench --workloads plain,json,penalty   # request options (see WORKLOADS)
 
 (from the repository root, as every script that imports the scripts package).
 
@@ -59,6 +60,7 @@ class Row:
     tpot_ratio: float | None = None  # no speculation's time per output token over this one's
     group_seconds: list[float] | None = None  # --interleave: seconds of each prompt group, in order
     notes: str = ""
+    workload: str = "plain"  # the requests' options (WORKLOADS)
 
 
 @dataclass
@@ -69,6 +71,40 @@ class Pair:
     dtype: str
     max_model_len: int
     prompts: list[str] = field(default_factory=list)
+    json_prompts: list[str] = field(default_factory=list)  # the same questions, answered as JSON
+
+
+# What a request asks, beside its prompt. "plain": greedy, exactly max_tokens. "penalty": the same
+# with repetition_penalty 1.1 (a chat server's common setting). "json": the question asked as
+# JSON extraction (JSON_INSTRUCTION) under the JSON schema JSON_SCHEMA (vLLM's structured output),
+# stopping where the JSON ends.
+WORKLOADS = ("plain", "penalty", "json")
+JSON_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["topic", "language", "difficulty", "key_points", "answer"],
+    "properties": {
+        "topic": {"type": "string"},
+        "language": {"type": "string"},
+        "difficulty": {"enum": ["easy", "medium", "hard"]},
+        "key_points": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "answer": {"type": "string"},
+    },
+}
+JSON_INSTRUCTION = ("\n\nDo not answer in prose. Reply with one JSON object with the fields topic, "
+                    "language, difficulty (easy, medium or hard), key_points (at most 3 strings) and "
+                    "answer (a short answer).")
+
+
+def sampling_params(workload: str, max_tokens: int):
+    """The SamplingParams of a workload's requests (greedy)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if workload == "json":
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
+    penalty = {"repetition_penalty": 1.1} if workload == "penalty" else {}
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **penalty)
 
 
 def resolve_pair(name: str, num_prompts: int, prompt_offset: int = 0) -> Pair:
@@ -77,7 +113,8 @@ def resolve_pair(name: str, num_prompts: int, prompt_offset: int = 0) -> Pair:
         from vllm_gsd.testing.tiny_models import tiny_draft, tiny_target
 
         texts = tiny_prompts(num_prompts)
-        return Pair("tiny", str(tiny_target()), str(tiny_draft("perturbed")), "float32", 1024, texts)
+        return Pair("tiny", str(tiny_target()), str(tiny_draft("perturbed")), "float32", 1024, texts,
+                    [t + JSON_INSTRUCTION for t in texts])
     if name == "qwen":
         from scripts.tools import prompt_sets
         from scripts.tools.real_models import prepare_pair
@@ -87,7 +124,8 @@ def resolve_pair(name: str, num_prompts: int, prompt_offset: int = 0) -> Pair:
         questions = (prompt_sets.humaneval_prompts(half, offset=prompt_offset)
                      + prompt_sets.mtbench_prompts(num_prompts - half, offset=prompt_offset))
         texts = prompt_sets.as_chat(pair.target, questions)
-        return Pair("qwen", str(pair.target), str(pair.draft), "bfloat16", 2048, texts)
+        json_texts = prompt_sets.as_chat(pair.target, [q + JSON_INSTRUCTION for q in questions])
+        return Pair("qwen", str(pair.target), str(pair.draft), "bfloat16", 2048, texts, json_texts)
     raise SystemExit(f"unknown pair {name!r}: use tiny or qwen")
 
 
@@ -128,13 +166,16 @@ def configurations(pair: Pair, depth: int) -> dict[str, dict | None]:
 DEFAULT_CONFIGS = "no_spec,draft_model_k2,draft_model_k4,draft_model_k6,gsd,gsd_graph_fixed"
 
 
-def prompt_token_ids(pair: Pair, max_tokens: int) -> list[list[int]]:
-    """The pair's prompts as the target's token ids, each cut to leave room for max_tokens."""
+def prompt_token_ids(pair: Pair, max_tokens: int, workload: str = "plain") -> list[list[int]]:
+    """The pair's prompts for a workload as the target's token ids, each cut to leave room for
+    max_tokens (a JSON prompt is cut before its instruction, which it keeps)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(pair.target)
-    return [tokenizer(p, add_special_tokens=False)["input_ids"][: pair.max_model_len - max_tokens - 64]
-            for p in pair.prompts]
+    limit = pair.max_model_len - max_tokens - 64
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"]
+           for p in (pair.json_prompts if workload == "json" else pair.prompts)]
+    return [p if len(p) <= limit else p[:limit // 2] + p[len(p) - (limit - limit // 2):] for p in ids]
 
 
 def start_engine(pair: Pair, spec: dict | None, max_batch: int, mode: str = "default", **engine_args):
@@ -157,11 +198,10 @@ def stop_engine(llm) -> None:
     gc.collect()
 
 
-def generate_timed(llm, prompts: list, max_tokens: int) -> tuple[list, float]:
-    """(RequestOutputs, seconds) of one generate call (greedy, exactly max_tokens each)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def generate_timed(llm, prompts: list, max_tokens: int, workload: str = "plain") -> tuple[list, float]:
+    """(RequestOutputs, seconds) of one generate call (greedy; exactly max_tokens each but for
+    the json workload, which stops where its JSON ends)."""
+    params = sampling_params(workload, max_tokens)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     return outs, time.perf_counter() - start
@@ -221,69 +261,77 @@ def _gsd_stats_of(llm, spec):
 
 
 def run_config(pair: Pair, name: str, spec: dict | None, batches: list[int], max_tokens: int,
-               prompt_token_ids: list[list[int]], batch1_prompts: int, mode: str = "default"
-               ) -> tuple[list[Row], dict[int, list[list[int]]]]:
-    """One configuration on its own engine, every batch size in turn."""
+               prompt_token_ids: dict[str, list[list[int]]], batch1_prompts: int, mode: str = "default"
+               ) -> tuple[list[Row], dict[tuple[str, int], list[list[int]]]]:
+    """One configuration on its own engine, every workload (prompt_token_ids: the prompts of
+    each) and batch size in turn. Outputs keyed by (workload, batch)."""
     llm = start_engine(pair, spec, max(batches), mode)
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
     rows, outputs = [], {}
-    for batch in batches:
-        stats_before = _gsd_stats_of(llm, spec)
-        # Batch 1 is the slowest to measure: it runs on the first prompts only.
-        run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
-        outs, seconds = [], 0.0
-        for i in range(0, len(run_prompts), batch):
-            chunk_outs, chunk_seconds = generate_timed(llm, run_prompts[i:i + batch], max_tokens)
-            outs, seconds = outs + chunk_outs, seconds + chunk_seconds
-        outputs[batch] = [list(o.outputs[0].token_ids) for o in outs]
-        row = describe_run(name, spec, batch, outs, seconds, stats_before, _gsd_stats_of(llm, spec))
-        rows.append(row)
-        print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
-              + (f", mean acceptance length {row.mean_acceptance_length}" if spec else ""), flush=True)
+    for workload, workload_ids in prompt_token_ids.items():
+        prompts = [{"prompt_token_ids": ids} for ids in workload_ids]
+        for batch in batches:
+            stats_before = _gsd_stats_of(llm, spec)
+            # Batch 1 is the slowest to measure: it runs on the first prompts only.
+            run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
+            outs, seconds = [], 0.0
+            for i in range(0, len(run_prompts), batch):
+                chunk_outs, chunk_seconds = generate_timed(llm, run_prompts[i:i + batch], max_tokens, workload)
+                outs, seconds = outs + chunk_outs, seconds + chunk_seconds
+            outputs[workload, batch] = [list(o.outputs[0].token_ids) for o in outs]
+            row = describe_run(name, spec, batch, outs, seconds, stats_before, _gsd_stats_of(llm, spec))
+            row.workload = workload
+            rows.append(row)
+            print(f"  {name:16s} {workload:8s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
+                  + (f", mean acceptance length {row.mean_acceptance_length}" if spec else ""), flush=True)
     stop_engine(llm)
     return rows, outputs
 
 
 def run_interleaved(pair: Pair, configs: dict[str, dict | None], batches: list[int], max_tokens: int,
-                    prompt_token_ids: list[list[int]], batch1_prompts: int, mode: str, round_index: int
+                    prompt_token_ids: dict[str, list[list[int]]], batch1_prompts: int, mode: str, round_index: int
                     ) -> list[tuple[Row, list[list[int]]]]:
     """Every configuration on its own engine, all alive at once; each group of `batch` prompts is
     generated by every engine in turn, the order rotating from group to group, so that the
     machine's drift (this VM's speed swings by up to 2x within minutes) falls on every
-    configuration alike. Returns (row, outputs) per configuration and batch size."""
+    configuration alike. Returns (row, outputs) per configuration, workload and batch size."""
     engines = {name: start_engine(pair, spec, max(batches), mode) for name, spec in configs.items()}
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_token_ids]
     names = list(configs)
     results = []
     try:
-        for batch in batches:
-            run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
-            before = {name: _gsd_stats_of(engines[name], configs[name]) for name in names}
-            outs = {name: [] for name in names}
-            group_seconds = {name: [] for name in names}
-            for k, i in enumerate(range(0, len(run_prompts), batch)):
-                shift = (k + round_index) % len(names)
-                for name in names[shift:] + names[:shift]:
-                    chunk_outs, chunk_seconds = generate_timed(engines[name], run_prompts[i:i + batch], max_tokens)
-                    outs[name] += chunk_outs
-                    group_seconds[name].append(chunk_seconds)
-            for name in names:
-                row = describe_run(name, configs[name], batch, outs[name], sum(group_seconds[name]), before[name],
-                                   _gsd_stats_of(engines[name], configs[name]))
-                row.group_seconds = [round(t, 3) for t in group_seconds[name]]
-                results.append((row, [list(o.outputs[0].token_ids) for o in outs[name]]))
-                print(f"  {name:16s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
-                      + (f", mean acceptance length {row.mean_acceptance_length}" if configs[name] else ""),
-                      flush=True)
+        for workload, workload_ids in prompt_token_ids.items():
+            prompts = [{"prompt_token_ids": ids} for ids in workload_ids]
+            for batch in batches:
+                run_prompts = prompts[:batch1_prompts] if batch == 1 else prompts
+                before = {name: _gsd_stats_of(engines[name], configs[name]) for name in names}
+                outs = {name: [] for name in names}
+                group_seconds = {name: [] for name in names}
+                for k, i in enumerate(range(0, len(run_prompts), batch)):
+                    shift = (k + round_index) % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        chunk_outs, chunk_seconds = generate_timed(engines[name], run_prompts[i:i + batch],
+                                                                   max_tokens, workload)
+                        outs[name] += chunk_outs
+                        group_seconds[name].append(chunk_seconds)
+                for name in names:
+                    row = describe_run(name, configs[name], batch, outs[name], sum(group_seconds[name]),
+                                       before[name], _gsd_stats_of(engines[name], configs[name]))
+                    row.workload = workload
+                    row.group_seconds = [round(t, 3) for t in group_seconds[name]]
+                    results.append((row, [list(o.outputs[0].token_ids) for o in outs[name]]))
+                    print(f"  {name:16s} {workload:8s} batch {batch:3d}: {row.tokens_per_s:8.2f} tok/s"
+                          + (f", mean acceptance length {row.mean_acceptance_length}" if configs[name] else ""),
+                          flush=True)
     finally:
         for llm in engines.values():
             stop_engine(llm)
     return results
 
 
-def _median_over_rounds(measured, reference, config: str, batch: int, rounds: int) -> Row:
-    """The round with the median tokens/s of (config, batch), its ratio to no speculation the
-    median of the per-round ratios; every round's figures in its notes."""
+def _median_over_rounds(measured, reference, config: str, workload: str, batch: int, rounds: int) -> Row:
+    """The round with the median tokens/s of (config, workload, batch), its ratio to no
+    speculation the median of the per-round ratios; every round's figures in its notes."""
+    measured = [(r, row, out) for r, row, out in measured if row.workload == workload]
+    reference = reference[workload]
     mine = [(r, row, out) for r, row, out in measured if row.config == config and row.batch == batch]
     base = {r: row.tokens_per_s for r, row, _ in measured if row.config == "no_spec" and row.batch == batch}
     ratios = [round(row.tokens_per_s / base[r], 2) for r, row, _ in mine]
@@ -350,14 +398,17 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         "host wall time. Whole steps (GSD): wall milliseconds of a drafted decode step (tokens it "
         "emitted) / of a plain one, as the adaptive budget's referee timed them. Lookup nodes (GSD): "
         "context-lookup nodes past the draft's leaves (engine/lookup.py) the target accepted / "
-        "tried (their parent accepted) / verified. `= no-spec`: greedy "
+        "tried (their parent accepted) / verified. Workloads: plain (greedy, exactly the new tokens "
+        "given), penalty (the same with repetition_penalty 1.1), json (each question asked for a JSON "
+        "object under a JSON schema, vLLM's structured output, ending where the JSON ends). "
+        "`= no-spec`: greedy "
         "output identical to no speculation" + (" (bf16: vLLM's own output depends on the batch "
         "shape at near-ties; exactness is tested in float32)" if pair.dtype != "float32" else "") + ".",
         "",
-        "| config | batch | tok/s | x no-spec | TPOT ms | x no-spec (TPOT) | mean acc. len "
+        "| workload | config | batch | tok/s | x no-spec | TPOT ms | x no-spec (TPOT) | mean acc. len "
         "| draft tok / accepted tok | nodes / step | plain steps | step split ms | whole steps ms | merges "
         "| draft exp. saved | lookup nodes | = no-spec |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     fmt = lambda v: "" if v is None else str(v)  # noqa: E731
     for r in rows:
@@ -366,14 +417,14 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         split = "" if not r.step_ms else " / ".join(str(v) for v in r.step_ms.values())
         whole = "" if not r.whole_step_ms else (
             f"{r.whole_step_ms['drafted']} ({r.whole_step_ms['drafted_tokens']}) / {fmt(r.whole_step_ms['plain'])}")
-        lines.append(f"| {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
+        lines.append(f"| {r.workload} | {r.config} | {r.batch} | {r.tokens_per_s} | {fmt(r.ratio_to_no_spec)} | "
                      f"{fmt(r.tpot_ms)} | {fmt(r.tpot_ratio)} | {fmt(r.mean_acceptance_length)} | {fmt(r.draft_tokens_per_accepted)} | "
                      f"{fmt(r.nodes_per_step)} | {fmt(r.plain_step_share)} | {split} | {whole} | {fmt(r.merges)} | "
                      f"{fmt(r.draft_expansions_saved)} | {fmt(r.lookup_nodes)} | {same} |")
     noted = [r for r in rows if r.notes]
     if noted:
         lines += ["", "Per run (median shown above):", ""]
-        lines += [f"* {r.config}, batch {r.batch}: {r.notes}" for r in noted]
+        lines += [f"* {r.workload}, {r.config}, batch {r.batch}: {r.notes}" for r in noted]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -385,10 +436,11 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
     for metric, label, fname in (("tokens_per_s", "output tokens/s", "tokens_per_s.png"),
                                  ("mean_acceptance_length", "mean acceptance length", "acceptance_length.png")):
         fig, ax = plt.subplots(figsize=(7, 4))
-        for config in dict.fromkeys(r.config for r in rows):
-            pts = [(r.batch, getattr(r, metric)) for r in rows if r.config == config and getattr(r, metric)]
+        for workload, config in dict.fromkeys((r.workload, r.config) for r in rows):
+            pts = [(r.batch, getattr(r, metric)) for r in rows
+                   if (r.workload, r.config) == (workload, config) and getattr(r, metric)]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=config)
+                ax.plot(*zip(*pts), marker="o", label=config if workload == "plain" else f"{config} ({workload})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size (requests in flight)")
         ax.set_ylabel(label)
@@ -458,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                         help="the engines' dtype (default: the pair's; float32 makes a GSD output "
                              "that differs from no speculation's a failure)")
+    parser.add_argument("--workloads", default="plain",
+                        help=f"comma list of {', '.join(WORKLOADS)}: the requests' options (see WORKLOADS)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rerender", action="store_true", help="rewrite table/plots from results.json")
     args = parser.parse_args(argv)
@@ -465,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         args.pair, args.batches, args.num_prompts, args.max_tokens = "tiny", "1,4", 4, 16
         args.batch1_prompts = 2
         args.configs = "no_spec,draft_model_k4,gsd,gsd_graph_fixed"
+        args.workloads = ",".join(WORKLOADS)
     out_dir = Path(args.out or REPO / "docs" / "bench" / args.pair)
     if args.rerender:
         saved = json.loads((out_dir / "results.json").read_text())
@@ -475,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.interleave else "4")
     batches = [int(b) for b in args.batches.split(",")]
     pair = profiled_pair(args)
-    prompt_ids = prompt_token_ids(pair, args.max_tokens)
+    workloads = args.workloads.split(",")
+    unknown = set(workloads) - set(WORKLOADS)
+    if unknown:
+        raise SystemExit(f"unknown workloads {sorted(unknown)}: use {', '.join(WORKLOADS)}")
+    prompt_ids = {w: prompt_token_ids(pair, args.max_tokens, w) for w in workloads}
     configs = configurations(pair, args.depth)
     if args.configs:
         configs = {k: configs[k] for k in args.configs.split(",")}
@@ -503,15 +562,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[bench] {name}" + (f" (round {round_index + 1})" if args.rounds > 1 else ""), flush=True)
             config_rows, outputs = run_config(pair, name, spec, batches, args.max_tokens, prompt_ids,
                                               args.batch1_prompts, args.mode)
-            measured += [(round_index, row, outputs[row.batch]) for row in config_rows]
-    reference = {row.batch: out for _, row, out in measured if row.config == "no_spec"}
-    rows = [_median_over_rounds(measured, reference, config, batch, args.rounds)
-            for config in configs for batch in batches]
+            measured += [(round_index, row, outputs[row.workload, row.batch]) for row in config_rows]
+    reference = {}
+    for _, row, out in measured:
+        if row.config == "no_spec":
+            reference.setdefault(row.workload, {})[row.batch] = out
+    rows = [_median_over_rounds(measured, reference, config, workload, batch, args.rounds)
+            for workload in workloads for config in configs for batch in batches]
 
     import vllm
 
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm.__version__,
-            "num_prompts": len(prompt_ids), "max_tokens": args.max_tokens,
+            "num_prompts": len(prompt_ids[workloads[0]]), "max_tokens": args.max_tokens,
+            "workloads": workloads,
             "batch1_prompts": args.batch1_prompts, "prompt_offset": args.prompt_offset,
             "interleave": args.interleave,
             "mode_text": "vLLM's default (compiled) mode" if args.mode == "default" else "enforce_eager",

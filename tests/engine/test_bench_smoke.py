@@ -21,6 +21,8 @@ def test_quick_benchmark_writes_results(tmp_path):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     configs = {r["config"] for r in rows}
     assert {"no_spec", "draft_model_k4", "gsd", "gsd_graph_fixed"} <= configs
+    # Every configuration ran every workload (plain, a repetition penalty, JSON under a schema).
+    assert {(r["workload"], r["config"]) for r in rows} == {(w, c) for w in ("plain", "penalty", "json") for c in configs}
     gsd = [r for r in rows if r["config"].startswith("gsd")]
     assert all(r["identical_to_no_spec"] for r in gsd)  # float32 tiny pair: exact
     # The fixed budget always drafts; the adaptive one decides by the costs it measured on this
