@@ -18,6 +18,16 @@ Model (every figure per accelerator, i.e. per tensor-parallel rank):
 The ridge point of the roofline (n where weight reads and compute take equally long) bounds the
 useful verification width: B * (1 + N) beyond it makes every verified node cost compute.
 
+Host costs (`HostCosts`, off unless given): what a GPU step pays beside the model math, which the
+roofline cannot see and the CPU benchmarks hide under 100-300 ms of math. Per speculative step:
+the host work the device waits for (graph building, scoring: `--host-step-ms`, and between two
+draft levels: `--host-level-ms`), each device-to-host read (`--syncs-per-step` x `--sync-us`: the
+stream drains and the host must re-fill it), the launches the tree rows add per target layer
+(`--tree-launches-per-layer` x `--launch-us`), and, for an eager draft (outside CUDA graphs),
+every draft layer's launches (`--draft-launches-per-layer` x `--launch-us` per layer per draft
+forward). The measured figures come from the CPU proxies (docs/results/host-reads.md,
+launches.md and the null-pair benchmark); `--launch-us` and `--sync-us` are a GPU's, assumed.
+
 CLI:
   predict:  cost_model.py --target llama-70b --draft llama-1b --gpu H100 --tp 8 --batch 1,8,32,64 \\
                 --context 2048 --acceptance-length 4.0 --nodes-per-step 24 --depth 6
@@ -137,6 +147,30 @@ def forward_time(model: ModelShape, hw: Hardware, *, new_tokens: float, batch: i
     return roofline_time(nbytes, flops, hw) + comm_time(model, hw, new_tokens, dtype_bytes, tp) + fixed
 
 
+# ------------------------------------------------------------------------------ host costs
+
+@dataclass(frozen=True)
+class HostCosts:
+    """Seconds a speculative step waits on the host beyond the roofline (see the module docstring)."""
+
+    step: float = 0.0  # host work per speculative step the device waits for
+    per_level: float = 0.0  # host work between two draft forwards
+    syncs_per_step: float = 0.0  # device-to-host reads per speculative step
+    sync: float = 20e-6  # what one read costs: the stream drains, then the host re-fills it
+    tree_launches_per_layer: float = 0.0  # launches the tree rows add per target attention layer
+    launch: float = 5e-6  # host time of one kernel launch
+    eager_draft: bool = False  # draft forwards outside CUDA graphs: every layer's launches on the host
+    draft_launches_per_layer: float = 12.0  # launches of one eager transformer layer (norms, GEMMs, rope, attention)
+
+    def speculative_step(self, setup: "Setup", spec: "Speculation") -> float:
+        seconds = self.step + self.syncs_per_step * self.sync
+        seconds += self.tree_launches_per_layer * self.launch * setup.target.layers
+        seconds += max(spec.draft_forwards - 1, 0) * self.per_level
+        if self.eager_draft and setup.draft is not None:
+            seconds += spec.draft_forwards * setup.draft.layers * self.draft_launches_per_layer * self.launch
+        return seconds
+
+
 # ------------------------------------------------------------------------------ one decoding step
 
 @dataclass(frozen=True)
@@ -175,6 +209,7 @@ class Setup:
     dtype_bytes: float = 2.0
     draft_overhead: float | None = None  # s per draft forward; None = hw.overhead
     draft_tp: int | None = None  # None = tp (vLLM 0.32's draft_model path requires it)
+    host: HostCosts | None = None  # a speculative step's host costs; None: the roofline alone
 
 
 def plain_step_time(setup: Setup, batch: int, context: float) -> float:
@@ -201,7 +236,8 @@ def draft_time(setup: Setup, spec: Speculation, batch: int, context: float) -> f
 def speculative_step_time(setup: Setup, spec: Speculation, batch: int, context: float) -> float:
     verify = forward_time(setup.target, setup.hw, new_tokens=batch * (1 + spec.nodes_per_step), batch=batch,
                           context=context, dtype_bytes=setup.dtype_bytes, tp=setup.tp)
-    return draft_time(setup, spec, batch, context) + verify + batch * setup.hw.request_overhead
+    host = setup.host.speculative_step(setup, spec) if setup.host is not None else 0.0
+    return draft_time(setup, spec, batch, context) + verify + batch * setup.hw.request_overhead + host
 
 
 def speedup(setup: Setup, spec: Speculation, batch: int, context: float) -> float:
@@ -466,14 +502,46 @@ def run_predict(args) -> int:
     print(f"speculation: mean acceptance length {spec.acceptance_length:g}, {spec.nodes_per_step:g} nodes "
           f"verified per step, {spec.draft_forwards} draft forwards, {spec.draft_tokens_per_step:g} draft "
           f"tokens per request per step; roofline ridge {ridge:.0f} tokens per target forward")
-    print(f"{'batch':>5s} {'plain ms':>9s} {'draft ms':>9s} {'verify ms':>9s} {'speedup':>8s} {'max useful N':>13s}")
+    host = host_costs_of(args)
+    roofline = replace(setup, host=None)
+    if host is None:
+        print(f"{'batch':>5s} {'plain ms':>9s} {'draft ms':>9s} {'verify ms':>9s} {'speedup':>8s} {'max useful N':>13s}")
+    else:
+        print(f"host costs per speculative step: {_describe_host(host)}")
+        print(f"{'batch':>5s} {'plain ms':>9s} {'draft ms':>9s} {'verify ms':>9s} {'host ms':>8s} "
+              f"{'speedup':>8s} {'w/o host':>9s} {'max useful N':>13s}")
     for batch in args.batch:
         plain = plain_step_time(setup, batch, args.context)
         drafting = draft_time(setup, spec, batch, args.context)
-        verify = speculative_step_time(setup, spec, batch, args.context) - drafting
+        verify = speculative_step_time(roofline, spec, batch, args.context) - drafting
+        if host is None:
+            print(f"{batch:5d} {plain * 1e3:9.2f} {drafting * 1e3:9.2f} {verify * 1e3:9.2f} "
+                  f"{speedup(setup, spec, batch, args.context):7.2f}x {max_useful_nodes(setup, batch):13d}")
+            continue
+        with_host = replace(setup, host=host)
         print(f"{batch:5d} {plain * 1e3:9.2f} {drafting * 1e3:9.2f} {verify * 1e3:9.2f} "
-              f"{speedup(setup, spec, batch, args.context):7.2f}x {max_useful_nodes(setup, batch):13d}")
+              f"{host.speculative_step(setup, spec) * 1e3:8.2f} {speedup(with_host, spec, batch, args.context):7.2f}x "
+              f"{speedup(roofline, spec, batch, args.context):8.2f}x {max_useful_nodes(setup, batch):13d}")
     return 0
+
+
+def host_costs_of(args) -> HostCosts | None:
+    """The --host-* / --syncs-per-step / ... arguments as HostCosts; None when none is given."""
+    given = {name: getattr(args, name) for name in ("host_step_ms", "host_level_ms", "syncs_per_step",
+                                                    "tree_launches_per_layer")}
+    if all(v is None for v in given.values()) and not args.eager_draft:
+        return None
+    return HostCosts(step=(args.host_step_ms or 0.0) * 1e-3, per_level=(args.host_level_ms or 0.0) * 1e-3,
+                     syncs_per_step=args.syncs_per_step or 0.0, sync=args.sync_us * 1e-6,
+                     tree_launches_per_layer=args.tree_launches_per_layer or 0.0, launch=args.launch_us * 1e-6,
+                     eager_draft=args.eager_draft)
+
+
+def _describe_host(host: HostCosts) -> str:
+    return (f"{host.step * 1e3:g} ms + {host.per_level * 1e3:g} ms per draft level, {host.syncs_per_step:g} "
+            f"device reads x {host.sync * 1e6:g} us, {host.tree_launches_per_layer:g} tree launches per target "
+            f"layer x {host.launch * 1e6:g} us" + (f", eager draft ({host.draft_launches_per_layer:g} launches "
+                                                   "per draft layer)" if host.eager_draft else ", draft in CUDA graphs"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -504,6 +572,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--depth", type=int, help="draft forwards per step (gsd max_depth)")
     parser.add_argument("--draft-tokens-per-accepted", type=float,
                         help="draft tokens computed per output token, as bench.py measures (default: L + N per step)")
+    host = parser.add_argument_group("host costs of a speculative step (predict; off unless given)")
+    host.add_argument("--host-step-ms", type=float, help="host work per speculative step the device waits for")
+    host.add_argument("--host-level-ms", type=float, help="host work between two draft forwards")
+    host.add_argument("--syncs-per-step", type=float, help="device-to-host reads per speculative step")
+    host.add_argument("--sync-us", type=float, default=20.0, help="cost of one read (default 20, assumed)")
+    host.add_argument("--tree-launches-per-layer", type=float, help="launches the tree rows add per target layer")
+    host.add_argument("--launch-us", type=float, default=5.0, help="host time of one launch (default 5, assumed)")
+    host.add_argument("--eager-draft", action="store_true", help="draft forwards outside CUDA graphs")
     args = parser.parse_args(argv)
     if args.context is None:
         args.context = 256.0 if args.check else 2048.0

@@ -172,3 +172,36 @@ def test_predict_cli(capsys):
 def test_unknown_preset_is_named():
     with pytest.raises(SystemExit, match="unknown model preset 'llama-400b'"):
         cm.main(["--gpu", "H100", "--target", "llama-400b"])
+
+
+def test_host_costs_add_to_the_speculative_step_only():
+    """Host costs by hand: the step's own, one per level after the first forward, the reads, the
+    tree launches of every target layer and, for an eager draft, every draft layer's launches."""
+    setup = cm.Setup(TOY, TOY_DRAFT, HW)
+    spec = cm.Speculation.gsd(3.0, 8, depth=3)
+    host = cm.HostCosts(step=1e-3, per_level=2e-4, syncs_per_step=5, sync=2e-5, tree_launches_per_layer=4,
+                        launch=5e-6, eager_draft=True, draft_launches_per_layer=10)
+    by_hand = 1e-3 + 2 * 2e-4 + 5 * 2e-5 + 4 * 5e-6 * TOY.layers + 3 * TOY_DRAFT.layers * 10 * 5e-6
+    assert host.speculative_step(setup, spec) == pytest.approx(by_hand)
+    with_host = cm.Setup(TOY, TOY_DRAFT, HW, host=host)
+    assert (cm.speculative_step_time(with_host, spec, 1, 0) - cm.speculative_step_time(setup, spec, 1, 0)
+            == pytest.approx(by_hand))
+    assert cm.plain_step_time(with_host, 1, 0) == cm.plain_step_time(setup, 1, 0)
+    in_graphs = cm.HostCosts(step=1e-3, per_level=2e-4, syncs_per_step=5, sync=2e-5, tree_launches_per_layer=4,
+                             launch=5e-6)
+    assert in_graphs.speculative_step(setup, spec) == pytest.approx(by_hand - 3 * TOY_DRAFT.layers * 10 * 5e-6)
+
+
+def test_predict_cli_with_host_costs(capsys):
+    """Given host costs, the table shows the speedup with them and without (the roofline's)."""
+    args = ["--gpu", "H100", "--tp", "8", "--target", "llama-70b", "--draft", "llama-1b", "--batch", "1",
+            "--acceptance-length", "4", "--nodes-per-step", "24", "--depth", "6"]
+    assert cm.main(args) == 0
+    roofline = float(capsys.readouterr().out.splitlines()[-1].split()[4].rstrip("x"))
+    assert cm.main(args + ["--syncs-per-step", "10", "--eager-draft"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "10 device reads" in out[2] and "eager draft" in out[2]
+    batch1 = out[-1].split()
+    host_ms, with_host, without = float(batch1[4]), float(batch1[5].rstrip("x")), float(batch1[6].rstrip("x"))
+    assert host_ms == pytest.approx(10 * 0.02 + 6 * 16 * 12 * 0.005, abs=0.01)
+    assert without == roofline and with_host < without
