@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from . import launch_buckets
 from ._triton_compat import jit, next_pow2, require_triton, tl
 
 __all__ = ["triton_ancestor_words_from_parents"]
@@ -85,6 +86,7 @@ def triton_ancestor_words_from_parents(parent_row: torch.Tensor, num_nodes: torc
     num_nodes = num_nodes.to(parent_row.device).contiguous()
     lc = _launch_constants(n)
     grid = (num_reqs, -(-(n + 1) // lc["BLOCK_R"]))
+    launch_buckets.note("ancestor_words", lc, parent_row.dtype)
     _ancestor_words_kernel[grid](
         parent_row, num_nodes, out, n, num_words,
         parent_row.stride(0), out.stride(0), out.stride(1), **lc,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from . import launch_buckets
 from ._triton_compat import jit, next_pow2, require_triton, tl
 
 __all__ = ["triton_walk_tree"]
@@ -97,11 +98,13 @@ def triton_walk_tree(
     parent_row = parent_row.contiguous()
     row_target_token = row_target_token.to(torch.int64).contiguous()
     num_nodes = num_nodes.to(dev).contiguous()
+    lc = _launch_constants(n)
+    launch_buckets.note("walk_tree", lc, parent_row.dtype)
     _walk_tree_kernel[(num_reqs,)](
         draft_token_ids, parent_row, num_nodes, row_target_token,
         accepted_rows, output_token_ids, num_accepted,
         n, draft_token_ids.stride(0), parent_row.stride(0), row_target_token.stride(0),
         accepted_rows.stride(0), output_token_ids.stride(0),
-        **_launch_constants(n),
+        **lc,
     )
     return accepted_rows, output_token_ids, num_accepted

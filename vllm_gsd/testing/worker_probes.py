@@ -116,6 +116,13 @@ class WorkerProbes:
         drafter._forward = failing_forward
         return True
 
+    def gsd_test_kernel_buckets(self) -> dict:
+        """The Triton launch buckets of this worker: which ran in warm-up, which while serving
+        (kernels/launch_buckets.py), what the warm-up did and planned (vllm_v0_32/kernel_warmup.py)."""
+        from vllm_gsd.vllm_v0_32.kernel_warmup import kernel_report
+
+        return kernel_report(self.model_runner)
+
     def gsd_test_slow_draft(self, seconds: float) -> None:
         """From now on, every draft forward of this worker takes `seconds` longer: a draft too
         slow for speculation to pay on any machine."""
