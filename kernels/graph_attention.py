@@ -58,7 +58,8 @@ import torch.nn.functional as F
 from ._triton_compat import interpreting, jit, next_pow2, pow2_bucket, require_triton, tl
 from .paged_layout import canonical_kv
 
-__all__ = ["graph_attention", "graph_attention_ref", "visibility_mask"]
+__all__ = ["GraphAttentionLaunch", "graph_attention", "graph_attention_ref", "prepare_graph_attention",
+           "visibility_mask"]
 
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # KV splits per request; the reduce kernel pads the split axis to a power of two
@@ -422,6 +423,109 @@ def _launch_constants(
     return {"fwd": fwd, "reduce": reduce, "num_splits": num_splits, "num_tiles": num_tiles}
 
 
+class GraphAttentionLaunch:
+    """One batch's ``graph_attention``, planned once and launched per layer.
+
+    ``prepare_graph_attention`` does every host-side step of a call that depends on the batch
+    only (argument checks, contiguity, maxima); ``launch`` launches the kernels (the forward, plus
+    the reduce when the KV is split) on one layer's query, caches and output. What depends on the
+    layer's shapes (launch constants, grid, split-K partial buffers) is computed at the first
+    launch with those shapes and kept: the layers of a model share them, so later layers only
+    launch. The partial buffers are reused by every layer: launches on one stream run in order,
+    so a layer's reduce has read them before the next layer's forward writes them."""
+
+    def __init__(self, metadata, num_tokens, max_seq_len, max_query_len, num_splits, layout):
+        (self.block_table, self.query_start_loc, self.seq_lens, self.tree_base, self.query_tree_row,
+         self.ancestor_words) = metadata
+        self.num_tokens, self.max_seq_len, self.max_query_len = num_tokens, max_seq_len, max_query_len
+        self.num_reqs = self.seq_lens.shape[0]
+        self.requested_splits, self.layout = num_splits, layout
+        self.metadata_strides = (self.block_table.stride(0), self.ancestor_words.stride(0),
+                                 self.ancestor_words.stride(1))
+        self._per_shape: dict = {}
+
+    def _for_shape(self, query, k_all):
+        """(launch constants, grid, partial buffers) for this layer's shapes, computed once."""
+        key = (query.shape[1], k_all.shape[1], k_all.shape[2], k_all.shape[3], query.dtype, query.device)
+        found = self._per_shape.get(key)
+        if found is not None:
+            return found
+        num_heads, page, num_kv_heads, head_size = key[:4]
+        assert query.shape[2] == head_size and num_heads % num_kv_heads == 0, "bad head shapes"
+        assert k_all.dtype == query.dtype, "q/k/v dtypes must match"
+        lc = _launch_constants(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, page=page,
+            dtype=query.dtype, num_tokens=self.num_tokens, num_reqs=self.num_reqs,
+            max_query_len=self.max_query_len, max_seq_len=self.max_seq_len, num_splits=self.requested_splits,
+            num_sms=_num_sms(query.device), interpret=interpreting(),
+        )
+        splits = lc["num_splits"]
+        parts = None
+        if splits > 1:
+            part_m = torch.empty((splits, self.num_tokens, num_heads), dtype=torch.float32, device=query.device)
+            parts = (part_m, torch.empty_like(part_m),
+                     torch.empty((splits, self.num_tokens, num_heads, lc["fwd"]["HEAD_DIM_PAD"]),
+                                 dtype=torch.float32, device=query.device))
+        found = self._per_shape[key] = (lc, (lc["num_tiles"], num_kv_heads, splits), parts)
+        return found
+
+    def launch(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               out: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attend the planned rows of ``query`` (``[>= T, Hq, D]``; rows past T are not read)
+        into ``out`` (``[>= T, Hq, D]``, or ``[>= T, Hq * D]``: heads contiguous)."""
+        if self.num_tokens == 0 or self.num_reqs == 0:
+            return out
+        k_all, v_all = canonical_kv(key_cache, value_cache, self.layout)
+        lc, grid, parts = self._for_shape(query, k_all)
+        if out.dim() == 2:
+            st, sd = out.stride()
+            out_strides = (st, sd * query.shape[2], sd)
+        else:
+            out_strides = out.stride()
+        part_m, part_l, part_acc = (out, out, out) if parts is None else parts
+        _graph_attn_fwd_kernel[grid](
+            query, k_all, v_all, self.block_table, self.query_start_loc, self.seq_lens, self.tree_base,
+            self.query_tree_row, self.ancestor_words, out, part_m, part_l, part_acc,
+            scale * _LOG2E, self.num_reqs, self.num_tokens, self.ancestor_words.shape[-1], grid[2],
+            *query.stride(), *k_all.stride(), *v_all.stride(), *self.metadata_strides, *out_strides,
+            **lc["fwd"],
+        )
+        if parts is not None:
+            _graph_attn_reduce_kernel[(self.num_tokens, query.shape[1])](
+                out, part_m, part_l, part_acc, self.query_start_loc, self.num_reqs, self.num_tokens,
+                grid[2], *out_strides, **lc["reduce"],
+            )
+        return out
+
+
+def prepare_graph_attention(
+    *,
+    num_tokens: int,
+    block_table: torch.Tensor,  # int32 [B, max_blocks]
+    query_start_loc: torch.Tensor,  # int32 [B + 1]
+    seq_lens: torch.Tensor,  # int32 [B]
+    tree_base: torch.Tensor,  # int32 [B]
+    query_tree_row: torch.Tensor,  # int32 [>= T]
+    ancestor_words: torch.Tensor,  # int32 [B, R, W]
+    max_seq_len: int,
+    max_query_len: int,
+    layout: str = "gpu",
+    num_splits: int | None = None,
+) -> GraphAttentionLaunch:
+    """Plan ``graph_attention`` for a batch of ``num_tokens`` query tokens, for any number of
+    layers (see GraphAttentionLaunch)."""
+    require_triton("graph_attention")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
+                    ("tree_base", tree_base), ("query_tree_row", query_tree_row),
+                    ("ancestor_words", ancestor_words), ("block_table", block_table)):
+        assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
+    ancestor_words = ancestor_words.contiguous() if ancestor_words.stride(-1) != 1 else ancestor_words
+    query_tree_row = query_tree_row.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    metadata = (block_table, query_start_loc, seq_lens, tree_base, query_tree_row, ancestor_words)
+    return GraphAttentionLaunch(metadata, num_tokens, max_seq_len, max_query_len, num_splits, layout)
+
+
 def graph_attention(
     query: torch.Tensor,  # [T, Hq, D]
     key_cache: torch.Tensor,
@@ -444,7 +548,9 @@ def graph_attention(
 
     Keyword-only tuning knobs: ``num_splits`` (KV split count; default from a heuristic),
     ``max_seq_len`` / ``max_query_len`` (host-side maxima as vLLM's metadata has them; when
-    omitted they are read from the device tensors, which costs a sync)."""
+    omitted they are read from the device tensors, which costs a sync). One call plans and
+    launches; a caller attending many layers over one batch plans once with
+    ``prepare_graph_attention`` and launches per layer."""
     require_triton("graph_attention")
     k_all, v_all = canonical_kv(key_cache, value_cache, layout)
     _, page, num_kv_heads, head_size = k_all.shape
@@ -456,50 +562,13 @@ def graph_attention(
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
-    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens),
-                    ("tree_base", tree_base), ("query_tree_row", query_tree_row),
-                    ("ancestor_words", ancestor_words), ("block_table", block_table)):
-        assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
-    ancestor_words = ancestor_words.contiguous() if ancestor_words.stride(-1) != 1 else ancestor_words
-    query_tree_row = query_tree_row.contiguous()
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-
     if max_seq_len is None or max_query_len is None:
         q_lens = query_start_loc[1:] - query_start_loc[:-1]
         mq, ms = torch.stack([q_lens.max(), seq_lens.max()]).tolist()
         max_query_len = mq if max_query_len is None else max_query_len
         max_seq_len = ms if max_seq_len is None else max_seq_len
-
-    lc = _launch_constants(
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, page=page,
-        dtype=query.dtype, num_tokens=num_tokens, num_reqs=num_reqs,
-        max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=num_splits,
-        num_sms=_num_sms(query.device), interpret=interpreting(),
-    )
-    num_splits = lc["num_splits"]
-    head_dim_pad = lc["fwd"]["HEAD_DIM_PAD"]
-
-    if num_splits > 1:
-        part_m = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=query.device)
-        part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_splits, num_tokens, num_heads, head_dim_pad), dtype=torch.float32,
-                               device=query.device)
-    else:
-        part_m = part_l = part_acc = out  # unused placeholders
-
-    grid = (lc["num_tiles"], num_kv_heads, num_splits)
-    _graph_attn_fwd_kernel[grid](
-        query, k_all, v_all, block_table, query_start_loc, seq_lens, tree_base, query_tree_row,
-        ancestor_words, out, part_m, part_l, part_acc,
-        scale * _LOG2E, num_reqs, num_tokens, ancestor_words.shape[-1], num_splits,
-        *query.stride(), *k_all.stride(), *v_all.stride(),
-        block_table.stride(0), ancestor_words.stride(0), ancestor_words.stride(1),
-        *out.stride(),
-        **lc["fwd"],
-    )
-    if num_splits > 1:
-        _graph_attn_reduce_kernel[(num_tokens, num_heads)](
-            out, part_m, part_l, part_acc, query_start_loc, num_reqs, num_tokens, num_splits,
-            *out.stride(), **lc["reduce"],
-        )
-    return out
+    plan = prepare_graph_attention(
+        num_tokens=num_tokens, block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
+        tree_base=tree_base, query_tree_row=query_tree_row, ancestor_words=ancestor_words,
+        max_seq_len=max_seq_len, max_query_len=max_query_len, layout="gpu", num_splits=num_splits)
+    return plan.launch(query, k_all, v_all, out, scale)

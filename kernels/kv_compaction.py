@@ -8,8 +8,14 @@ which is already in place; ``a = num_accepted[b]``). For ``k = 1..a`` the KV of 
 Overlap safety: along a path rows strictly increase and ``accepted_rows[b, k] >= k``. A copy
 walking ``k`` ascending therefore never reads a position it has already overwritten (it writes
 ``tree_base + j`` for ``j < k`` and reads ``tree_base + accepted_rows[b, k] >= tree_base + k``).
-The Triton kernel (``compact_kv``, the GPU engine's) gives each (request, slice of heads*dims) to
-one program that walks ``k`` ascending; programs touch disjoint elements, so there is no race.
+The Triton kernel (``compact_kv``, the GPU engine's) gives each (request, slice of heads*dims,
+layer) to one program that walks ``k`` ascending; programs touch disjoint elements, so there is
+no race. All layers go in one launch: the kernel reads each layer's keys and values at an int64
+element offset (a small device table, built once per set of cache addresses) from the first
+layer's keys, so every layer must share one view shape, strides and dtype, as vLLM's caches do
+(vLLM 0.32 views all layers from one backing allocation, utils.allocate_kv_cache); layers that
+do not get one launch per kind. Offsets may be negative or cross allocations (plain 64-bit
+address arithmetic on CUDA).
 The torch versions gather every source first and then scatter: ``compact_kv_cpu``, the CPU
 engine's, through the packing vLLM's CPU attention picked, and ``compact_kv_ref``, the Triton
 kernel's reference in tests, through the canonical views of any layout.
@@ -104,9 +110,9 @@ def _launch_constants(num_kv_heads: int, head_dim: int, page: int) -> dict:
 
 
 @jit(do_not_specialize=("stride_bt", "stride_ar"),
-     do_not_specialize_on_alignment=("BLOCK_TABLE", "TREE_BASE", "ACC_ROWS", "NUM_ACC"))
+     do_not_specialize_on_alignment=("LAYER_OFF", "BLOCK_TABLE", "TREE_BASE", "ACC_ROWS", "NUM_ACC"))
 def _compact_kv_kernel(
-    K, V, BLOCK_TABLE, TREE_BASE, ACC_ROWS, NUM_ACC,
+    BASE, LAYER_OFF, BLOCK_TABLE, TREE_BASE, ACC_ROWS, NUM_ACC,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_bt, stride_ar,
@@ -115,7 +121,12 @@ def _compact_kv_kernel(
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
-    # This program owns a fixed slice of the (head, dim) plane for every position it touches.
+    layer = tl.program_id(2)
+    # The layer's keys and values: element offsets (int64) from BASE, the first layer's keys.
+    K = BASE + tl.load(LAYER_OFF + 2 * layer)
+    V = BASE + tl.load(LAYER_OFF + 2 * layer + 1)
+    # This program owns a fixed slice of the (head, dim) plane of one layer for every position
+    # it touches.
     idx = chunk * BLOCK_HD + tl.arange(0, BLOCK_HD)
     ok = idx < NUM_KV_HEADS * HEAD_DIM
     h = idx // HEAD_DIM
@@ -140,6 +151,48 @@ def _compact_kv_kernel(
             tl.store(V + dst_blk * stride_vb + dst_off * stride_vs + v_inner, vx, mask=ok)
 
 
+_PLANS: dict = {}  # (layout, every layer's address, shape and strides) -> _plan_layers(); a few entries
+_MAX_PLANS = 8
+
+
+def _plan_layers(kv_caches: list[torch.Tensor], layout: str) -> list[tuple[int, tuple, torch.Tensor]]:
+    """The layers as launches: [(index of the group's first layer, (k strides, v strides, k
+    shape), int64 device table [L, 2])].
+
+    Layers whose key/value views share shape, strides and dtype, and whose addresses are whole
+    elements apart (always so in vLLM: every layer is a view of one backing allocation), form one
+    group: one launch, its table holding each layer's key and value offsets in elements from the
+    group's first layer's keys. Planned once per set of caches (vLLM's do not move between
+    steps; a rebuilt set has new addresses or shapes, hence a new plan), holding no cache tensor."""
+    groups: dict = {}
+    for index, kv_cache in enumerate(kv_caches):
+        k, v = split_kv_cache(kv_cache, layout)
+        item = k.element_size()
+        kind = (k.shape, k.stride(), v.stride(), k.dtype, k.device)
+        group = groups.get(kind)
+        if group is not None and (k.data_ptr() - group["origin"]) % item == 0 \
+                and (v.data_ptr() - group["origin"]) % item == 0:
+            group["pointers"] += (k.data_ptr(), v.data_ptr())
+        else:
+            groups[kind if group is None else (*kind, index)] = dict(
+                first=index, origin=k.data_ptr(), item=item, pointers=[k.data_ptr(), v.data_ptr()],
+                strides=(k.stride(), v.stride(), k.shape), device=k.device)
+    return [(g["first"], g["strides"],
+             torch.tensor([(p - g["origin"]) // g["item"] for p in g["pointers"]], dtype=torch.int64)
+             .view(-1, 2).to(g["device"])) for g in groups.values()]
+
+
+def _layer_launches(kv_caches: list[torch.Tensor], layout: str) -> list[tuple[int, tuple, torch.Tensor]]:
+    """_plan_layers, cached by the caches' addresses, shapes and strides (cheap attribute reads)."""
+    key = (layout, tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in kv_caches))
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        plan = _PLANS[key] = _plan_layers(kv_caches, layout)
+    return plan
+
+
 def compact_kv(
     kv_caches: list[torch.Tensor],
     block_table: torch.Tensor,  # int32 [B, max_blocks]
@@ -149,22 +202,24 @@ def compact_kv(
     num_accepted: torch.Tensor,  # int [B]
     layout: str = "gpu",
 ) -> None:
-    """Triton compaction, in place; one launch per layer (keys and values together)."""
+    """Triton compaction, in place: one launch for all layers (keys and values together), grid
+    (request, slice of the (head, dim) plane, layer); layers of different shapes or strides
+    (not vLLM's case) get a launch per kind (``_plan_layers``)."""
     require_triton("compact_kv")
     num_reqs = accepted_rows.shape[0]
-    if num_reqs == 0 or accepted_rows.shape[1] <= 1:
+    if num_reqs == 0 or accepted_rows.shape[1] <= 1 or not kv_caches:
         return
     accepted_rows = accepted_rows.contiguous()
     block_table = block_table.contiguous()
     tree_base = tree_base.contiguous()
     num_accepted = num_accepted.contiguous()
-    for kv_cache in kv_caches:
-        k, v = split_kv_cache(kv_cache, layout)
-        _, page, num_kv_heads, head_dim = k.shape
+    for first, (k_strides, v_strides, shape), table in _layer_launches(kv_caches, layout):
+        k = split_kv_cache(kv_caches[first], layout)[0]  # the group's base: its first layer's keys
+        _, page, num_kv_heads, head_dim = shape
         assert page == block_size, f"cache block size {page} != block_size {block_size}"
         lc = _launch_constants(num_kv_heads, head_dim, page)
-        grid = (num_reqs, -(-(num_kv_heads * head_dim) // lc["BLOCK_HD"]))
+        grid = (num_reqs, -(-(num_kv_heads * head_dim) // lc["BLOCK_HD"]), table.shape[0])
         _compact_kv_kernel[grid](
-            k, v, block_table, tree_base, accepted_rows, num_accepted,
-            *k.stride(), *v.stride(), block_table.stride(0), accepted_rows.stride(0), **lc,
+            k, table, block_table, tree_base, accepted_rows, num_accepted,
+            *k_strides, *v_strides, block_table.stride(0), accepted_rows.stride(0), **lc,
         )

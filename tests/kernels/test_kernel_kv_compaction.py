@@ -117,3 +117,89 @@ def test_cpu_compaction_moves_tokens_in_every_cpu_packing(isa, block_size, d):
     for kind, got, want in zip(("key", "value"), cpu_token_views(moved, packing), expect):
         assert torch.equal(got, want), f"{kind}s moved wrongly"
     assert not torch.equal(moved, layer), "test moved nothing"
+
+
+def _one_allocation_layers(num_layers, num_blocks, block_size, hkv, d, dtype, block_outermost, g):
+    """Every layer's [nb, Hkv, bs, 2*D] cache (vLLM's TRITON_ATTN view, layout "gpu_bhnc") as a
+    view of one backing buffer, as vLLM 0.32 allocates them (utils.allocate_kv_cache): layer l of
+    block b at l * layer_stride + b * block_stride; layer-outermost or block-outermost (the
+    other layers' pages between a layer's blocks)."""
+    page = hkv * block_size * 2 * d
+    buffer = torch.randn(num_layers * num_blocks * page + 7, generator=g).to(dtype)[7:]  # odd offset
+    layer_stride, block_stride = (page, num_layers * page) if block_outermost else (num_blocks * page, page)
+    inner = (block_size * 2 * d, 2 * d, 1)
+    return [buffer.as_strided((num_blocks, hkv, block_size, 2 * d), (block_stride, *inner), l * layer_stride)
+            for l in range(num_layers)], buffer
+
+
+class _LaunchCounter:
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("seed,num_layers,block_outermost,dtype,block_size,hkv,d", [
+    (21, 5, False, torch.bfloat16, 16, 3, 24),  # odd layer count, odd (head, dim) plane
+    (22, 3, True, torch.float32, 8, 1, 40),  # block-outermost: layers interleaved by block
+    (23, 4, False, torch.float16, 32, 2, 16),
+])
+def test_one_launch_compacts_every_layer(monkeypatch, seed, num_layers, block_outermost, dtype, block_size, hkv, d):
+    """compact_kv over L layers is one launch (grid axis 2 = layer, each layer reached through
+    its element offset from the first layer's keys), equal to compact_kv_ref per layer, on
+    random caches viewed from one allocation as vLLM's are, listed in reverse address order
+    (negative offsets), with random trees and paths crossing block edges."""
+    import vllm_gsd.kernels.kv_compaction as KC
+
+    g = gen(seed)
+    n_budget = 2 * block_size + 3
+    trees = [random_parents(randint(g, 1, n_budget), g) for _ in range(4)] + [random_parents(n_budget, g, "chain")]
+    ctxs = [randint(g, 0, 3 * block_size) for _ in trees]
+    seq_lens = [c + len(t) + 1 for c, t in zip(ctxs, trees)]
+    rows, acc = _random_paths(g, trees, n_budget)
+    rows[4, 1:4] = torch.tensor([2, 5, 2 * block_size + 1])  # a path jumping over block edges
+    acc[4] = 3
+    paged = make_paged_kv(seq_lens, hkv, d, block_size, dtype, "gpu_bhnc", g)
+    num_blocks = paged.kv_cache.shape[0]
+    layers, buffer = _one_allocation_layers(num_layers, num_blocks, block_size, hkv, d, dtype, block_outermost, g)
+    layers = layers[::-1]
+    tree_base = torch.tensor(ctxs, dtype=torch.int32)
+    before = buffer.clone()
+    expect = [kv.clone() for kv in layers]
+    compact_kv_ref(expect, paged.block_table, block_size, tree_base, rows, acc, layout="gpu_bhnc")
+    counter = _LaunchCounter(KC._compact_kv_kernel)
+    monkeypatch.setattr(KC, "_compact_kv_kernel", counter)
+    compact_kv(layers, paged.block_table, block_size, tree_base, rows, acc, layout="gpu_bhnc")
+    assert len(counter.launches) == 1 and counter.launches[0][2] == num_layers
+    for layer, want in zip(layers, expect):
+        assert torch.equal(layer, want)
+    assert not torch.equal(buffer, before), "test moved nothing"
+
+
+def test_layers_of_different_kinds_get_a_launch_per_kind(monkeypatch):
+    """Separate allocations of one kind share a launch; a layer with other strides gets its own."""
+    import vllm_gsd.kernels.kv_compaction as KC
+
+    g = gen(24)
+    hkv, d, bs = 2, 16, 16
+    trees = [random_parents(9, g), random_parents(20, g)]
+    ctxs = [5, bs - 1]
+    rows, acc = _random_paths(g, trees, 20)
+    paged = make_paged_kv([c + len(t) + 1 for c, t in zip(ctxs, trees)], hkv, d, bs, torch.float32, "gpu", g)
+    same = [torch.randn(paged.kv_cache.shape, generator=g) for _ in range(3)]
+    wider = torch.randn((*paged.kv_cache.shape[:-1], d + 4), generator=g)[..., :d]  # other strides
+    layers = [same[0], wider, same[1], same[2]]
+    tree_base = torch.tensor(ctxs, dtype=torch.int32)
+    expect = [kv.clone() for kv in layers]
+    compact_kv_ref(expect, paged.block_table, bs, tree_base, rows, acc)
+    counter = _LaunchCounter(KC._compact_kv_kernel)
+    monkeypatch.setattr(KC, "_compact_kv_kernel", counter)
+    for _step in range(2):  # the second step reuses the plan of the same caches
+        moved = [kv.clone() for kv in layers]
+        moved[1] = torch.empty((*paged.kv_cache.shape[:-1], d + 4))[..., :d].copy_(wider)  # strided as wider
+        compact_kv(moved, paged.block_table, bs, tree_base, rows, acc)
+        for got, want in zip(moved, expect):
+            assert torch.equal(got, want)
+    assert sorted(grid[2] for grid in counter.launches) == [1, 1, 3, 3]

@@ -9,11 +9,14 @@ own backend with two mixins in front:
   every layer of the group reads the same plan. Without trees the plan is None.
 * `GraphAttentionImpl`: at construction, refuses the model features the graph mask does not
   implement (`graph_mask_blockers`, per platform); per forward, a layer without a plan is
-  exactly vLLM's; with one, vLLM's kernel runs for every row (unless every row is a tree row,
-  as in the draft's levels) and `attend_tree` then overwrites the tree requests' rows.
+  exactly vLLM's; with one, vLLM's kernel runs for every row and `attend_tree` then overwrites
+  the tree requests' rows, unless the plan covers every row (`covers_all_rows`: the draft's
+  levels; on CUDA also a decode step, whose rows without a tree the graph kernel attends as
+  causal rows, triton_backend.py), when `attend_tree` alone writes the output.
 
 So a batch without trees is numerically vLLM's, and each platform writes only `plan_tree` and
-`attend_tree`. Encoder and cross attention never carry trees.
+`attend_tree`; a layer does no planning, only `attend_tree`'s launches. Encoder and cross
+attention never carry trees.
 """
 
 from __future__ import annotations

@@ -1,14 +1,27 @@
 """TRITON_ATTN with the graph mask for tree rows, for CUDA (vllm_v0_32/attention/graph_backend.py).
 
-vLLM's Triton kernel attends every row; the tree requests' rows are then attended again by
-`vllm_gsd.kernels.graph_attention` (Triton, split-K) as a sub-batch of their own, reading vLLM's
-paged cache in place, and written over vLLM's result. So a batch without trees, and every
-request without a tree, is numerically vLLM's. A forward whose rows are all tree rows (the
-draft's levels) skips vLLM's kernel. The sub-batch (tokens, query starts, sequence lengths,
-block tables, tree rows) is planned once per forward on the device, when the metadata is built;
-layers only read it. A gsd engine on CUDA selects this backend for the target and the draft and
-runs attention outside CUDA graphs (piecewise mode), since the mask changes every step
-(vllm_v0_32/config_patches.py).
+Three plans, chosen once per forward by the metadata builder (`plan_tree`); a layer only launches:
+
+* draft levels (every row a tree row) and decode steps (every request decode-shaped: its query
+  no longer than 1 + num_speculative_tokens or than the forward's longest tree query, so no
+  prefill chunk): `vllm_gsd.kernels.graph_attention` attends the whole batch, rows without a
+  tree marked causal (query_tree_row = -1), straight from the layer's query into its output, and
+  vLLM's kernel is skipped: per layer 1 launch, 2 when the KV is split (the reduce), no gather,
+  no scatter. The trade-off: on such a step the rows without a tree are computed by our kernel,
+  not vLLM's (exact against the causal reference in float32; bf16 within rounding, so not
+  bit-identical to what vLLM's kernel would have given them).
+* a step with a prefill chunk: vLLM's kernel attends every row (it is the one built for long
+  causal chunks; the graph kernel is decode-shaped: up to 128 / GQA-group query tokens per tile,
+  each tile scanning its request's KV up to the tile's last causal key, split-K tuned by the
+  number of tokens), then the tree requests' rows are gathered, attended by the graph kernel as
+  a sub-batch of their own and written over vLLM's result. Rows without a tree are vLLM's.
+* no trees: vLLM's backend unchanged.
+
+The plan (`TritonTreePlan`: metadata tensors on the forward's device, launch constants, grid,
+split-K partial buffers shared by the layers, via `prepare_graph_attention`) is built once per
+forward. A gsd engine on CUDA selects this backend for the target and the draft and runs
+attention outside CUDA graphs (piecewise mode), since the mask changes every step
+(vllm_v0_32/config_patches.py). Launch counts: docs/results/launches.md.
 
 Tested on CPU tensors under the Triton interpreter (tests/engine/test_gpu_path.py); the project's
 GPU machine has no vLLM, so this glue has not run inside vLLM on a GPU.
@@ -30,7 +43,7 @@ from vllm.utils.torch_utils import is_quantized_kv_cache
 
 from vllm_gsd.vllm_v0_32.attention.graph_backend import GraphAttentionImpl, GraphMetadataBuilder
 from vllm_gsd.engine.tree_batch import TreeAttention, _to_device
-from vllm_gsd.kernels.graph_attention import graph_attention
+from vllm_gsd.kernels.graph_attention import GraphAttentionLaunch, prepare_graph_attention
 
 
 @dataclass
@@ -40,44 +53,55 @@ class GsdTritonAttentionMetadata(TritonAttentionMetadata):
 
 @dataclass(frozen=True)
 class TritonTreePlan:
-    """The tree requests as a sub-batch of their own (device tensors; Bt requests, T_tree tokens)."""
+    """The rows the graph kernel attends this forward, planned (device tensors, launch constants)."""
 
-    token_index: torch.Tensor | None  # int64 [T_tree]: forward token of each row; None = all, in order
-    query_start_loc: torch.Tensor  # int32 [Bt + 1]
-    seq_lens: torch.Tensor  # int32 [Bt]
-    block_table: torch.Tensor  # int32 [Bt, max_blocks]
-    tree_base: torch.Tensor  # int32 [Bt]
-    query_tree_row: torch.Tensor  # int32 [T_tree]
-    ancestor_words: torch.Tensor  # int32 [Bt, R, W]
-    max_seq_len: int  # upper bounds, for the kernel's launch grid
-    max_query_len: int
-    covers_all_rows: bool
+    launch: GraphAttentionLaunch  # graph_attention of the attended rows, planned
+    token_index: torch.Tensor | None  # int64 [T_tree]: forward token of each attended row; None = every row
+    covers_all_rows: bool  # the graph kernel attends every row: vLLM's kernel is skipped
+    kind: str  # "draft level", "decode step" (whole batch) or "sub-batch" (with vLLM's kernel)
 
 
 class GsdTritonAttentionMetadataBuilder(GraphMetadataBuilder, TritonAttentionMetadataBuilder):
     metadata_cls = GsdTritonAttentionMetadata
 
+    @property
+    def decode_query_len(self) -> int:
+        """Longest query vLLM counts as a decode (1 + num_speculative_tokens; 1 without spec)."""
+        spec = getattr(self.vllm_config, "speculative_config", None)
+        return 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
+
     def plan_tree(self, metadata: TritonAttentionMetadata, tree: TreeAttention) -> TritonTreePlan:
         device = metadata.seq_lens.device
         num_reqs = metadata.seq_lens.shape[0]
         request_index = tree.request_index
-        whole_batch = tree.covers_all_rows and request_index.numel() == num_reqs
+        longest_tree = int(tree.query_len.max())
+        draft_level = tree.covers_all_rows and request_index.numel() == num_reqs
+        decode_step = not draft_level and metadata.max_query_len <= max(self.decode_query_len, longest_tree)
+        shape = dict(layout="gpu", max_seq_len=metadata.max_seq_len)
+        if draft_level or decode_step:
+            if draft_level:
+                tree_base, words = _to_device(tree.tree_base, device), tree.ancestor_words
+            else:  # every request of the batch, those without a tree all causal
+                base = torch.zeros(num_reqs, dtype=torch.int32)
+                base[request_index] = tree.tree_base
+                tree_base = _to_device(base, device)
+                words = tree.ancestor_words.new_zeros((num_reqs, *tree.ancestor_words.shape[1:]))
+                words[_to_device(request_index, device)] = tree.ancestor_words
+            launch = prepare_graph_attention(
+                **shape, num_tokens=metadata.num_actual_tokens, block_table=metadata.block_table,
+                query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, tree_base=tree_base,
+                query_tree_row=tree.query_tree_row, ancestor_words=words, max_query_len=metadata.max_query_len)
+            return TritonTreePlan(launch, None, True, "draft level" if draft_level else "decode step")
         query_start_loc = torch.zeros(request_index.numel() + 1, dtype=torch.int32)
         torch.cumsum(tree.query_len, 0, out=query_start_loc[1:])
-        token_index = None if whole_batch else _to_device(tree.token_index(), device)
+        token_index = _to_device(tree.token_index(), device)
         index = _to_device(request_index, device)
-        return TritonTreePlan(
-            token_index=token_index,
-            query_start_loc=_to_device(query_start_loc, device),
-            seq_lens=metadata.seq_lens[index],
-            block_table=metadata.block_table[index],
-            tree_base=_to_device(tree.tree_base, device),
-            query_tree_row=tree.query_tree_row if token_index is None else tree.query_tree_row[token_index],
-            ancestor_words=tree.ancestor_words,
-            max_seq_len=metadata.max_seq_len,
-            max_query_len=int(tree.query_len.max()),
-            covers_all_rows=tree.covers_all_rows,
-        )
+        launch = prepare_graph_attention(
+            **shape, num_tokens=token_index.shape[0], block_table=metadata.block_table[index],
+            query_start_loc=_to_device(query_start_loc, device), seq_lens=metadata.seq_lens[index],
+            tree_base=_to_device(tree.tree_base, device), query_tree_row=tree.query_tree_row[token_index],
+            ancestor_words=tree.ancestor_words, max_query_len=longest_tree)
+        return TritonTreePlan(launch, token_index, False, "sub-batch")
 
 
 class GsdTritonAttentionImpl(GraphAttentionImpl, TritonAttentionImpl):
@@ -95,17 +119,12 @@ class GsdTritonAttentionImpl(GraphAttentionImpl, TritonAttentionImpl):
 
     def attend_tree(self, query, kv_cache, metadata, plan: TritonTreePlan, output) -> None:
         key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
-        num_tokens = metadata.num_actual_tokens
-        out = output[:num_tokens].view(num_tokens, self.num_heads, self.head_size)
-        rows = query[:num_tokens] if plan.token_index is None else query[plan.token_index]
-        attended = graph_attention(
-            rows, key_cache, value_cache, plan.block_table, plan.query_start_loc, plan.seq_lens,
-            plan.tree_base, plan.query_tree_row, plan.ancestor_words, self.scale,
-            out=out if plan.token_index is None else None, layout="gpu",
-            max_seq_len=plan.max_seq_len, max_query_len=plan.max_query_len,
-        )
-        if plan.token_index is not None:
-            out[plan.token_index] = attended
+        if plan.token_index is None:  # the whole batch, straight into vLLM's output
+            plan.launch.launch(query, key_cache, value_cache, output, self.scale)
+            return
+        attended = plan.launch.launch(query[plan.token_index], key_cache, value_cache,
+                                      query.new_empty((plan.token_index.shape[0], *query.shape[1:])), self.scale)
+        output.view(-1, self.num_heads, self.head_size)[plan.token_index] = attended
 
 
 class GsdTritonAttentionBackend(TritonAttentionBackend):
