@@ -77,8 +77,10 @@ class _Engines:
 
                 llm = LLM(target)  # vLLM's defaults, as the README's examples run (KV cache: the env's)
             elif name == "gsd":
+                from vllm_gsd.testing.worker_probes import WORKER_PROBES
+
                 llm = make_llm(target, gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING,
-                               structured_outputs_config=TEST_STRUCTURED_OUTPUTS)
+                               structured_outputs_config=TEST_STRUCTURED_OUTPUTS, worker_extension_cls=WORKER_PROBES)
             elif name == "gsd_defaults":
                 # What users run: GSD's default knobs, the adaptive budget cutting trees under load.
                 llm = make_llm(target, default_gsd_config(self.models["perturbed"]), reasoning_config=TEST_REASONING,

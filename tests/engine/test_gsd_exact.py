@@ -43,6 +43,25 @@ def test_greedy_is_identical_to_target_in_a_mixed_batch(engines, tokenizer):
     assert after.lookup_nodes_accepted > before.lookup_nodes_accepted
 
 
+def test_draft_forwards_padded_for_cuda_graphs_keep_the_targets_output(engines, tokenizer):
+    """On CUDA a draft forward replays the draft's piecewise graph of the next captured size:
+    its tokens and positions go through the drafter's persistent buffers, padded, the padding
+    rows writing no KV. The same dispatch on the CPU (the padded batch run eagerly): every draft
+    forward padded, and the output still the target's. (Capture and replay need a GPU.)"""
+    prompts = token_prompts(tokenizer, CODE_PROMPTS)
+    params = [greedy_params(8 + 7 * i) for i in range(len(prompts))]
+    gsd = engines.get("gsd")
+    gsd.collective_rpc("gsd_test_draft_graph_sizes", args=([4, 8, 16, 32, 48, 64, 96, 128, 192, 256],))
+    try:
+        outputs = gsd.generate(prompts, params, use_tqdm=False)
+        (forwards,) = gsd.collective_rpc("gsd_test_draft_graph_forwards")
+    finally:
+        gsd.collective_rpc("gsd_test_draft_graph_sizes", args=(None,))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == token_ids(engines.get("target"), prompts, params)
+    assert acceptance_of(outputs)[1] > 0
+    assert forwards and sum(padded > actual for actual, padded in forwards) > len(forwards) // 2, forwards
+
+
 def test_greedy_is_identical_in_eager_mode_too(engines, tokenizer):
     """The suite runs vLLM's default (compiled) mode; this twin keeps enforce_eager covered."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
@@ -261,15 +262,32 @@ class GsdProposer(DraftModelProposer):
         with self.tree_slot.holding(tree):
             _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(inputs.common)
         started = time.perf_counter()
-        with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=inputs.num_tokens,
-                                 slot_mapping=self._get_slot_mapping(inputs.num_tokens, inputs.slot_mapping)):
-            hidden_states = self.model(input_ids=inputs.token_ids, positions=inputs.positions)
+        mode, descriptor = self.cudagraph_dispatcher.dispatch(inputs.num_tokens)
+        num_tokens = descriptor.num_tokens  # padded to a captured size (CUDA graphs), else as given
+        input_ids, positions = ((inputs.token_ids, inputs.positions) if mode == CUDAGraphMode.NONE
+                                else self._graph_inputs(inputs.token_ids, inputs.positions, num_tokens))
+        with set_forward_context(per_layer_metadata, self.vllm_config, num_tokens=num_tokens,
+                                 cudagraph_runtime_mode=mode, batch_descriptor=descriptor,
+                                 slot_mapping=self._get_slot_mapping(num_tokens, inputs.slot_mapping)):
+            hidden_states = self.model(input_ids=input_ids, positions=positions)
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
         stats.draft_model_us += int((time.perf_counter() - started) * 1e6)
         if self.budget is not None:
             self.budget.record.draft_curve_seconds += float(self.budget.policy.draft_cost(inputs.num_tokens))
         return hidden_states[torch.from_numpy(sample_index).to(self.device)]
+
+    def _graph_inputs(self, token_ids: torch.Tensor, positions: torch.Tensor, num_tokens: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A draft forward's tokens and positions in the drafter's persistent buffers, padded to
+        `num_tokens` (a captured CUDA-graph size): the graphs replay on the addresses they were
+        captured with. Padding rows read position 0 and write no KV (their slots are padding)."""
+        n = token_ids.shape[0]
+        self.input_ids[:n].copy_(token_ids)
+        self.input_ids[n:num_tokens].zero_()
+        self._set_positions(n, positions)
+        self.positions[n:num_tokens].zero_()
+        return self.input_ids[:num_tokens], self._get_positions(num_tokens)
 
     def _children(self, hidden: torch.Tensor, stats: GsdStats, candidates: list[Candidate] | None = None,
                   request_index: np.ndarray | None = None, depth: np.ndarray | None = None,
@@ -284,14 +302,24 @@ class GsdProposer(DraftModelProposer):
     # ------------------------------------------------------------------------------ dummy runs
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int, *args, **kwargs) -> None:
-        """vLLM's dummy, profile and warm-up runs: the draft's largest forward (num_tokens rows,
-        no attention metadata, as vLLM's own dummy forwards) and its largest LM-head chunk, so
-        that they are compiled and counted in the memory profile. No tree, no request state."""
+    def dummy_run(self, num_tokens: int, use_cudagraphs: bool = False, is_graph_capturing: bool = False,
+                  **kwargs) -> None:
+        """vLLM's dummy, profile, warm-up and capture runs: the draft's largest forward
+        (num_tokens rows, no attention metadata, as vLLM's own dummy forwards) and its largest
+        LM-head chunk, so that they are compiled and counted in the memory profile; where the
+        runner captures CUDA graphs (`use_cudagraphs`), the draft's piecewise graph of that size
+        is captured too, as vLLM's drafter does, and `_forward` replays it. No tree, no request
+        state."""
         num_tokens = min(num_tokens, self.max_num_tokens)
-        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens):
+        mode, descriptor = self.cudagraph_dispatcher.dispatch(
+            num_tokens, valid_modes=None if use_cudagraphs else {CUDAGraphMode.NONE})
+        num_tokens = descriptor.num_tokens
+        with set_forward_context(None, self.vllm_config, num_tokens=num_tokens, cudagraph_runtime_mode=mode,
+                                 batch_descriptor=descriptor):
             hidden_states = self.model(input_ids=self.input_ids[:num_tokens],
                                        positions=self._get_positions(num_tokens))
+        if is_graph_capturing:
+            return  # the capture is the graph's; the LM head ran in the warm-up before it
         if isinstance(hidden_states, tuple):
             hidden_states = hidden_states[0]
         rows = min(num_tokens, rows_per_chunk(self._vocab_size))

@@ -123,6 +123,37 @@ class WorkerProbes:
 
         return kernel_report(self.model_runner)
 
+    def gsd_test_draft_graph_sizes(self, sizes: list[int] | None) -> None:
+        """Dispatch this worker's draft forwards as on CUDA with piecewise graphs captured at
+        `sizes`: each forward padded to the next size through the drafter's persistent buffers
+        (a CPU has no graphs to replay, so the model runs the padded batch eagerly); None: back
+        to no graphs. Records (actual, padded) token counts for gsd_test_draft_graph_forwards."""
+        from vllm.config.compilation import CUDAGraphMode
+
+        drafter = self.model_runner.drafter
+        dispatcher = drafter.cudagraph_dispatcher
+        if sizes is None:
+            dispatcher.initialize_cudagraph_keys(CUDAGraphMode.NONE)
+            drafter.__dict__.pop("_graph_inputs", None)
+            return
+        compilation = dispatcher.compilation_config
+        compilation.cudagraph_capture_sizes = sorted(sizes)
+        compilation.max_cudagraph_capture_size = max(sizes)
+        dispatcher.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE)
+        original = type(drafter)._graph_inputs
+        drafter.gsd_test_graph_forwards = []
+
+        def recording(token_ids, positions, num_tokens):
+            drafter.gsd_test_graph_forwards.append((int(token_ids.shape[0]), int(num_tokens)))
+            return original(drafter, token_ids, positions, num_tokens)
+
+        drafter._graph_inputs = recording
+
+    def gsd_test_draft_graph_forwards(self) -> list[tuple[int, int]]:
+        """(actual, padded) tokens of each draft forward dispatched to graphs since
+        gsd_test_draft_graph_sizes."""
+        return list(getattr(self.model_runner.drafter, "gsd_test_graph_forwards", []))
+
     def gsd_test_slow_draft(self, seconds: float) -> None:
         """From now on, every draft forward of this worker takes `seconds` longer: a draft too
         slow for speculation to pay on any machine."""

@@ -17,6 +17,14 @@ FULL graphs are captured for, and dispatched to, batches of one token per reques
 steps, the profile's and warm-up's decodes); any step with a tree has a request scheduling more
 than one token and goes to PIECEWISE, where attention runs eagerly with the mask.
 
+The draft's forwards replay the draft's own PIECEWISE graphs, as vLLM's draft_model drafter
+does: vLLM gives a drafter its graph keys and captures them only for its own methods, so a gsd
+runner initializes the drafter's keys from the resolved mode (runner/setup_hooks.py,
+`wrap_check_and_update_cudagraph_mode`), its dummy run captures the draft's piecewise graph in
+the runner's piecewise capture pass, and every draft forward (catch-up and levels) is padded to
+the next captured size through the drafter's persistent buffers (engine/proposer.py `_forward`),
+attention, with the level's graph mask, running between the pieces.
+
 What is refused (`refuse_full_graphs_for_trees` before vLLM's config post-init,
 `refuse_after_post_init` after it, since the post-init can change the mode):
 * cudagraph_mode=FULL (every batch, mixed ones too, from FULL graphs);

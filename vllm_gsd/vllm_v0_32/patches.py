@@ -197,6 +197,12 @@ WORKER_PATCHES: list[Patch] = [
         wrap=_SETUP + "wrap_input_fits_in_drafter",
     ),
     Patch(
+        target=f"{_RUNNER}._check_and_update_cudagraph_mode",
+        why="the drafter's CUDA-graph keys (vLLM sets them for its own drafters only)",
+        scope="worker",
+        wrap=_SETUP + "wrap_check_and_update_cudagraph_mode",
+    ),
+    Patch(
         target=f"{_RUNNER}.initialize_kv_cache",
         why="live target caches for compaction; one KV group only; the adaptive budget's cost curves",
         scope="worker",
@@ -228,6 +234,12 @@ USES: list[Uses] = [
     Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer._get_slot_mapping", "draft forwards' KV slots",
          "worker"),
     Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer._get_positions", "the draft's dummy runs", "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer._set_positions",
+         "draft forwards in CUDA graphs read positions from the drafter's buffer", "worker"),
+    Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer.initialize_cudagraph_keys",
+         "the drafter's piecewise CUDA-graph keys", "worker"),
+    Uses("vllm.v1.cudagraph_dispatcher:CudagraphDispatcher.dispatch",
+         "draft forwards padded to a captured CUDA-graph size", "worker"),
     Uses("vllm.v1.spec_decode.draft_model:DraftModelProposer.initialize_attn_backend",
          "the draft layers' attention groups", "worker"),
     Uses(f"{_BACKENDS}.cpu_attn:CPUAttentionBackend", "the CPU graph-attention backend's base", "worker"),
@@ -265,10 +277,12 @@ USES: list[Uses] = [
 # Attributes of vLLM's instances that GSD reads (set in their constructors, so checked on the
 # instance: vllm_v0_32/runner/setup_hooks.py, when the runner is built).
 RUNNER_ATTRIBUTES = ("input_batch", "requests", "discard_request_mask", "positions", "compilation_config", "max_model_len",
-                     "attn_groups", "device", "vllm_config", "sampler", "rejection_sampler", "drafter")
+                     "attn_groups", "device", "vllm_config", "sampler", "rejection_sampler", "drafter",
+                     "cudagraph_dispatcher", "uniform_decode_query_len")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "req_id_to_index", "num_reqs", "num_computed_tokens_cpu",
                           "num_tokens_no_spec", "token_ids_cpu", "block_table", "generators")
-DRAFTER_ATTRIBUTES = ("kv_cache_gid", "input_ids", "max_num_tokens", "draft_model_config", "speculative_config")
+DRAFTER_ATTRIBUTES = ("kv_cache_gid", "input_ids", "positions", "max_num_tokens", "draft_model_config",
+                      "speculative_config", "cudagraph_dispatcher")
 DRAFTER_LOADED_ATTRIBUTES = ("_draft_attn_layer_names", "model", "draft_attn_groups")  # once loaded and built
 
 

@@ -9,8 +9,10 @@ vllm_v0_32/patches.py installs.
   several KV-cache groups is refused), and the drafter's adaptive node budget gets its cost
   curves; `initialize_metadata_builders`: the attention builders get the runner's TreeSlot
   (target and draft layers), the draft's CPU cache packing is pinned;
-* `_dummy_run` (vLLM's dummy, profile and warm-up runs): the draft model runs too, as vLLM runs
-  its own draft_model drafter there; no tree, no request state; once the KV caches are bound,
+* `_dummy_run` (vLLM's dummy, profile, warm-up and capture runs): the draft model runs too, as
+  vLLM runs its own draft_model drafter there, its piecewise CUDA graphs captured in the runner's
+  piecewise pass; no tree, no request state; `_check_and_update_cudagraph_mode`: the drafter's
+  CUDA-graph keys (draft forwards replay piecewise graphs, vllm_v0_32/cuda_graphs.py); once the KV caches are bound,
   GSD's Triton kernels are launched once per launch bucket serving can use (kernel_warmup.py);
 * `_input_fits_in_drafter`: the room for a tree is checked per request, by the drafter.
 """
@@ -95,13 +97,36 @@ def wrap_dummy_run(original):
     def _dummy_run(self, num_tokens, *args, **kwargs):
         result = original(self, num_tokens, *args, **kwargs)
         if is_gsd_runner(self):
-            self.drafter.dummy_run(num_tokens)
+            from vllm.config.compilation import CUDAGraphMode
+
+            # As vLLM's own drafter: the draft's piecewise graph of this size is captured in the
+            # runner's piecewise capture pass (vllm_v0_32/cuda_graphs.py).
+            capturing = kwargs.get("is_graph_capturing", False)
+            self.drafter.dummy_run(
+                num_tokens, is_graph_capturing=capturing,
+                use_cudagraphs=(capturing and kwargs.get("cudagraph_runtime_mode") == CUDAGraphMode.PIECEWISE
+                                and not self.speculative_config.enforce_eager))
             from vllm_gsd.vllm_v0_32.kernel_warmup import warm_up_runner
 
             warm_up_runner(self)
         return result
 
     return _dummy_run
+
+
+def wrap_check_and_update_cudagraph_mode(original):
+    """The drafter's CUDA-graph keys, from the runner's resolved mode: vLLM sets them only for
+    its own drafters (`uses_draft_model()` is false for gsd), so without this every draft forward
+    would run eagerly, each layer's launches paid on the host (vllm_v0_32/cuda_graphs.py)."""
+
+    @functools.wraps(original)
+    def _check_and_update_cudagraph_mode(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if is_gsd_runner(self) and hasattr(self, "drafter"):
+            self.drafter.initialize_cudagraph_keys(self.compilation_config.cudagraph_mode)
+        return result
+
+    return _check_and_update_cudagraph_mode
 
 
 def wrap_initialize_kv_cache(original):
