@@ -11,7 +11,8 @@ vllm_v0_32/patches.py installs.
   (target and draft layers), the draft's CPU cache packing is pinned;
 * `_dummy_run` (vLLM's dummy, profile, warm-up and capture runs): the draft model runs too, as
   vLLM runs its own draft_model drafter there, its piecewise CUDA graphs captured in the runner's
-  piecewise pass; no tree, no request state; `_check_and_update_cudagraph_mode`: the drafter's
+  piecewise pass; no tree, no request state; in the profile run (CUDA), a tree step's peak
+  logits and noise (runner/profile_peak.py); `_check_and_update_cudagraph_mode`: the drafter's
   CUDA-graph keys (draft forwards replay piecewise graphs, vllm_v0_32/cuda_graphs.py); once the KV caches are bound,
   GSD's Triton kernels are launched once per launch bucket serving can use (kernel_warmup.py);
 * `_input_fits_in_drafter`: the room for a tree is checked per request, by the drafter.
@@ -106,12 +107,25 @@ def wrap_dummy_run(original):
                 num_tokens, is_graph_capturing=capturing,
                 use_cudagraphs=(capturing and kwargs.get("cudagraph_runtime_mode") == CUDAGraphMode.PIECEWISE
                                 and not self.speculative_config.enforce_eager))
+            if kwargs.get("is_profile") and self.device.type == "cuda":
+                _allocate_step_peak(self)
             from vllm_gsd.vllm_v0_32.kernel_warmup import warm_up_runner
 
             warm_up_runner(self)
         return result
 
     return _dummy_run
+
+
+def _allocate_step_peak(runner) -> None:
+    """In vLLM's profile run: the target logits of a step's every verified row, a scorer chunk
+    and its Gumbel noise, at their largest (runner/profile_peak.py)."""
+    from vllm_gsd.vllm_v0_32.runner.profile_peak import allocate_step_peak, verification_rows
+
+    rows = verification_rows(runner.max_num_tokens, runner.max_num_reqs,
+                             runner.speculative_config.num_speculative_tokens)
+    allocate_step_peak(runner.model.compute_logits, runner.model_config.get_hidden_size(), runner.dtype,
+                       runner.device, rows, runner.drafter.graph_params.top_k)
 
 
 def wrap_check_and_update_cudagraph_mode(original):
