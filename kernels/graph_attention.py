@@ -55,6 +55,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import launch_buckets
 from ._triton_compat import interpreting, jit, next_pow2, pow2_bucket, require_triton, tl
 from .paged_layout import canonical_kv
 
@@ -467,6 +468,9 @@ class GraphAttentionLaunch:
                      torch.empty((splits, self.num_tokens, num_heads, lc["fwd"]["HEAD_DIM_PAD"]),
                                  dtype=torch.float32, device=query.device))
         found = self._per_shape[key] = (lc, (lc["num_tiles"], num_kv_heads, splits), parts)
+        launch_buckets.note("graph_attention_fwd", lc["fwd"], query.dtype)
+        if lc["reduce"] is not None:
+            launch_buckets.note("graph_attention_reduce", lc["reduce"], query.dtype)
         return found
 
     def launch(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from . import launch_buckets
 from ._triton_compat import jit, next_pow2, require_triton, tl
 from .paged_layout import CpuPacking, cpu_token_views, split_kv_cache
 
@@ -219,6 +220,7 @@ def compact_kv(
         assert page == block_size, f"cache block size {page} != block_size {block_size}"
         lc = _launch_constants(num_kv_heads, head_dim, page)
         grid = (num_reqs, -(-(num_kv_heads * head_dim) // lc["BLOCK_HD"]), table.shape[0])
+        launch_buckets.note("compact_kv", lc, k.dtype)
         _compact_kv_kernel[grid](
             k, table, block_table, tree_base, accepted_rows, num_accepted,
             *k_strides, *v_strides, block_table.stride(0), accepted_rows.stride(0), **lc,
