@@ -100,20 +100,32 @@ def test_sampled_tokens_follow_the_target_distribution(engines, tokenizer, targe
         assert 0 < sum(n > 0 for n in verify_steps) < len(verify_steps), "the budget cut no tree: the twin tests nothing"
 
 
-@pytest.mark.parametrize("gsd_engine", ["gsd", "gsd_defaults"])
-def test_min_p_samples_follow_the_target_with_min_p(engines, tokenizer, gsd_engine):
-    """min_p (vLLM applies it after the temperature) on tree rows: the samples follow the target
-    alone with min_p, whose own samples differ from those without it (the option is visible), and
-    with trees on every step the min_p requests were verified as trees."""
+def _biased_token(target_samples) -> dict[int, float]:
+    """A logit bias toward the target's third most frequent first token at temperature 1.0."""
+    third = Counter(s[0] for s in target_samples[1.0]).most_common(3)[-1][0]
+    return {third: 2.0}
+
+
+@pytest.mark.parametrize(("gsd_engine", "option"), [
+    ("gsd", "min_p"), ("gsd_defaults", "min_p"), ("gsd", "repetition_penalty"), ("gsd", "logit_bias"),
+])
+def test_sampled_option_follows_the_target_with_it(engines, tokenizer, target_samples, gsd_engine, option):
+    """Sampling options on tree rows (min_p after the temperature, penalties along each node's
+    path, logit bias): the samples follow the target alone with the option, whose own samples
+    differ from the target's without it (the option is visible at this sample size, so ignoring
+    it would fail), and with trees on every step the option's requests were verified as trees.
+    (Presence and frequency penalties act on tokens already emitted, which three sampled tokens
+    rarely repeat: invisible at this size, they are tested greedily in test_gsd_fallback.)"""
     from vllm_gsd.testing.engines import acceptance_of
 
+    options = {"min_p": {"min_p": MIN_P}, "repetition_penalty": {"repetition_penalty": 1.5},
+               "logit_bias": {"logit_bias": _biased_token(target_samples)}}[option]
     group, beside = (NUM_SAMPLES, 6) if gsd_engine == "gsd" else (4, 2)
-    want = _samples(engines.get("target"), tokenizer, 1.0, seed_offset=30_000, min_p=MIN_P)
-    outputs = _sample_outputs(engines.get(gsd_engine), tokenizer, 1.0, greedy_beside=beside, group=group, min_p=MIN_P)
+    want = _samples(engines.get("target"), tokenizer, 1.0, seed_offset=30_000, **options)
+    outputs = _sample_outputs(engines.get(gsd_engine), tokenizer, 1.0, greedy_beside=beside, group=group, **options)
     p = _smallest_p_value(want, _token_tuples(outputs))
     assert p > 1e-3, f"smallest p = {p:.2e}"
-    without = _samples(engines.get("target"), tokenizer, 1.0, seed_offset=40_000)
-    assert _smallest_p_value(want, without) < 1e-4, "min_p does not change these samples: the test cannot fail"
+    assert _smallest_p_value(want, target_samples[1.0]) < 1e-4, f"{option} does not change these samples: the test cannot fail"
     if gsd_engine == "gsd":
         assert acceptance_of(outputs)[0] > 0
 
