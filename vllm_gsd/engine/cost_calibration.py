@@ -5,7 +5,9 @@
 one request of q new tokens after `CONTEXT_TOKENS` cached ones (weights, attention through the
 model's own backend, and the logits of every row), in scratch KV blocks before any request
 exists, at a few q; the best time of each is kept. Beyond `MAX_MEASURED_TOKENS` the curve is
-extended linearly. On CUDA every timed forward is synchronized.
+extended linearly. On CUDA every timed forward is synchronized (start-up only).
+
+`StepTimer` times each step's target forward while serving, without synchronizing.
 
 Tensor-parallel ranks time the same forwards (they must, for the collectives), and rank 0's
 figures are broadcast, so every rank's policy takes the same decisions from the same curves.
@@ -13,6 +15,8 @@ figures are broadcast, so every rank's policy takes the same decisions from the 
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -115,10 +119,105 @@ def _time_forward(model, head, vllm_config, device, num_tokens: int, scratch: _S
     return time.perf_counter() - started
 
 
+# Called on every `synchronize` (any device): the host-read counter (testing/host_reads.py) counts
+# the full stalls it would be on a GPU.
+STALL_HOOKS: list = []
+
+
 def synchronize(device) -> None:
     """Wait for the device's queued work (CUDA), so that a host clock times it."""
+    for hook in STALL_HOOKS:
+        hook()
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Times a region of each step (the target forward) without making the host wait for it.
+
+    `start()` and `stop(payload)` bracket the region; `finished()` returns, oldest first, the
+    (payload, seconds) of the regions whose time is known, each once, the same regions on every
+    tensor-parallel rank (the adaptive budget all-reduces the times it is given). On the host
+    (`HostStepTimer`) a region is known at `stop` (wall time: the forward ran synchronously). On
+    CUDA (`CudaStepTimer`) two events are recorded on the stream around it, and a region is
+    given once a later region has started: by then the stream has long passed it (the step's
+    sampled tokens were read), so reading its events waits for nothing. `for_device` picks the
+    one the device needs.
+    """
+
+    @staticmethod
+    def for_device(device) -> StepTimer:
+        return CudaStepTimer() if torch.device(device).type == "cuda" else HostStepTimer()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, payload) -> None:
+        raise NotImplementedError
+
+    def finished(self) -> list[tuple[object, float]]:
+        raise NotImplementedError
+
+
+class HostStepTimer(StepTimer):
+    def __init__(self, clock=time.perf_counter) -> None:
+        self._clock = clock
+        self._started: float | None = None
+        self._done: list[tuple[object, float]] = []
+
+    def start(self) -> None:
+        self._started = self._clock()
+
+    def stop(self, payload) -> None:
+        if self._started is not None:
+            self._done.append((payload, self._clock() - self._started))
+            self._started = None
+
+    def finished(self) -> list[tuple[object, float]]:
+        done, self._done = self._done, []
+        return done
+
+
+class CudaStepTimer(StepTimer):
+    """Event pairs on the current stream (`torch.cuda.Event(enable_timing=True)`, reused). A
+    region is given by the first `finished()` after the next `start()`; should its end event not
+    be done by then (the host a whole step ahead of the stream, as with vLLM's async
+    scheduling), it is waited for (`waits` counts those), so that every rank gives the same."""
+
+    def __init__(self, event_class=None) -> None:
+        self._event_class = event_class or functools.partial(torch.cuda.Event, enable_timing=True)
+        self._free: list = []
+        self._open = None
+        self._starts = 0
+        self._pending: collections.deque = collections.deque()  # (begin, end, payload, started as)
+        self.waits = 0
+
+    def _event(self):
+        return self._free.pop() if self._free else self._event_class()
+
+    def start(self) -> None:
+        self._starts += 1
+        self._open = self._event()
+        self._open.record()
+
+    def stop(self, payload) -> None:
+        if self._open is None:
+            return
+        end = self._event()
+        end.record()
+        self._pending.append((self._open, end, payload, self._starts))
+        self._open = None
+
+    def finished(self) -> list[tuple[object, float]]:
+        done = []
+        while self._pending and self._pending[0][3] < self._starts:
+            begin, end, payload, _ = self._pending.popleft()
+            if not end.query():
+                self.waits += 1
+                end.synchronize()
+            done.append((payload, begin.elapsed_time(end) / 1e3))  # milliseconds
+            self._free += (begin, end)
+        return done
 
 
 def _from_rank_zero(runner, values):

@@ -129,9 +129,17 @@ class GsdMetrics:
     def begin_step(self, scheduler_output) -> None:
         self._decode_step = decodes_only(scheduler_output)
 
-    def add(self, **increments: int) -> None:
+    @property
+    def decode_step(self) -> bool:
+        """Whether the step now running decodes only (its phase timers count)."""
+        return self._decode_step
+
+    def add(self, decode_step: bool | None = None, **increments: int) -> None:
+        """Add to the figures; phase timers only for a decode step: this one, or the step
+        `decode_step` says of a time measured later (a CUDA-timed forward)."""
+        decode = self._decode_step if decode_step is None else decode_step
         for name, value in increments.items():
-            if name in PHASE_TIMERS and not self._decode_step:
+            if name in PHASE_TIMERS and not decode:
                 continue
             setattr(self.stats, name, getattr(self.stats, name) + int(value))
 

@@ -12,18 +12,21 @@ installs.
   speculative engine), so it is sampled as without speculation. The sampler is GsdSampler, told
   each step which roots are drawn with keyed noise (engine/sampling.py); a partial prefill's
   discarded row leaves its request's generator alone.
-* `execute_model`: the target forward is timed (synchronised on CUDA) for the cost scales.
+* `execute_model`: the target forward is timed for the cost scales and the metrics by a
+  `StepTimer` (engine/cost_calibration.py): on the host as it ends; on CUDA by events read at
+  the next step's start, when the stream has passed them, so that no step waits for the device
+  to time it (the cost model's scales then learn each forward's time a step later).
 """
 
 from __future__ import annotations
 
 import functools
-import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from vllm_gsd.engine.cost_calibration import synchronize
+from vllm_gsd.engine.cost_calibration import StepTimer
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.node_processing import RequestOptions, options_of
 from vllm_gsd.engine.sampling import is_sampled, noise_key
@@ -74,20 +77,42 @@ def wrap_execute_model(original):
     def execute_model(self, scheduler_output, *args, **kwargs):
         if not is_gsd_runner(self):
             return original(self, scheduler_output, *args, **kwargs)
-        started = time.perf_counter()
+        timer = _target_timer(self)
         self.gsd.metrics.begin_step(scheduler_output)
-        verified_trees = bool(scheduler_output.scheduled_spec_decode_tokens)
+        timer.start()
+        _record_target_forwards(self, timer)  # on CUDA: the last step's (its events passed by now)
         try:
             return original(self, scheduler_output, *args, **kwargs)
         finally:
             self.gsd.pending_attention = None
-            synchronize(self.device)  # CUDA runs ahead of the host: time the forward, not its launch
-            seconds = time.perf_counter() - started
-            self.gsd.metrics.add(target_forward_us=int(seconds * 1e6))
-            self.drafter.record_target_forward(scheduler_output.total_num_scheduled_tokens,
-                                               seconds, verified_trees)
+            timer.stop(_TargetForward(scheduler_output.total_num_scheduled_tokens,
+                                      bool(scheduler_output.scheduled_spec_decode_tokens),
+                                      self.gsd.metrics.decode_step))
+            _record_target_forwards(self, timer)  # on the host: this one's
 
     return execute_model
+
+
+@dataclass(frozen=True)
+class _TargetForward:
+    num_tokens: int
+    verified_trees: bool
+    decode_step: bool
+
+
+def _target_timer(runner) -> StepTimer:
+    """The runner's StepTimer of its target forwards (made on first use)."""
+    timer = runner.__dict__.get("_gsd_target_timer")
+    if timer is None:
+        timer = runner._gsd_target_timer = StepTimer.for_device(runner.device)
+    return timer
+
+
+def _record_target_forwards(runner, timer: StepTimer) -> None:
+    """Feed the forwards whose time is known to the metrics and the adaptive budget."""
+    for forward, seconds in timer.finished():
+        runner.gsd.metrics.add(decode_step=forward.decode_step, target_forward_us=int(seconds * 1e6))
+        runner.drafter.record_target_forward(forward.num_tokens, seconds, forward.verified_trees)
 
 
 def _park_generators_of_discarded_rows(runner) -> None:
@@ -181,8 +206,18 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
         if is_sampled(params):
             keys[i] = noise_key(req_id, params, runner.vllm_config.model_config.seed)
         options[i] = options_of(params, state.prompt_token_ids, state.output_token_ids)
-    if rotated_rows:  # one copy for the whole batch
-        rows = torch.from_numpy(np.concatenate(rotated_rows)).to(runner.positions.device)
-        runner.positions[rows] = torch.from_numpy(np.concatenate(rotated_positions)).to(runner.positions.device)
+    if rotated_rows:  # one copy for the whole batch, rows and positions together
+        rows_and_positions = np.stack([np.concatenate(rotated_rows), np.concatenate(rotated_positions)])
+        rows, positions = _to_device(rows_and_positions, runner.positions.device)
+        runner.positions[rows] = positions
     return build_tree_batch(parent_row, depth, torch.tensor(num_draft, dtype=torch.int64), tree_base,
                             via_merge, keys, query_start_loc, runner.device, options)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device without making the host wait: on CUDA through pinned memory
+    (PyTorch's host allocator keeps the block until the copy is done), non-blocking."""
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
