@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 CHAIN_K = 4
 # Tokens per engine step, sized to the demo's load (one request of a few hundred prompt tokens at
@@ -202,6 +203,19 @@ def speculation_notes(results: list[dict], gsd: dict | None) -> list[str]:
 # ------------------------------------------------------------------------------ main
 
 
+def uses_int8_draft(args: argparse.Namespace) -> bool:
+    """The qwen pair drafts with its int8 copy where asked, or by default where AMX runs it."""
+    return args.pair == "qwen" and (args.int8_draft or (not args.bf16_draft and cpu_has_amx()))
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX int8 tiles (Linux: the amx_int8 flag in /proc/cpuinfo)."""
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", default="qwen", choices=["qwen", "smollm"])
@@ -209,8 +223,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=3,
                         help="prompts (half HumanEval, rounded up, the rest MT-Bench)")
     parser.add_argument("--eager", action="store_true", help="run vLLM with enforce_eager (no compilation)")
-    parser.add_argument("--bf16-draft", action="store_true",
-                        help="draft with the bf16 checkpoint (default: its int8 copy; qwen pair only)")
+    draft = parser.add_mutually_exclusive_group()
+    draft.add_argument("--bf16-draft", action="store_true",
+                       help="draft with the bf16 checkpoint (qwen pair; the default on a CPU without AMX)")
+    draft.add_argument("--int8-draft", action="store_true",
+                       help="draft with its int8 (W8A8) copy (qwen pair; the default on a CPU with AMX tiles)")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' logs and bars")
     return parser.parse_args(argv)
 
@@ -224,8 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.tools.real_models import int8_draft, prepare_pair
 
     pair = prepare_pair(args.pair, progress=True)
-    # The smollm pair's self-draft shares the target's layers; it stays as prepared.
-    int8 = args.pair == "qwen" and not args.bf16_draft
+    # The smollm pair's self-draft shares the target's layers; it stays as prepared. The int8
+    # draft pays where vLLM runs it through AMX int8 tiles; without them it is slower than the
+    # bf16 draft (docs/results/options.md: bf16 on a CPU without AMX, 1.52x no speculation).
+    int8 = uses_int8_draft(args)
     target, draft = str(pair.target), str(int8_draft(pair.draft) if int8 else pair.draft)
     half = (args.num_prompts + 1) // 2
     questions = humaneval_prompts(half) + mtbench_prompts(args.num_prompts - half)

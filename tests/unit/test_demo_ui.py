@@ -87,3 +87,14 @@ def test_results_table(demo):
     assert lines[0].split()[:2] == ["method", "tokens/s"]
     assert lines[1].split()[-2:] == ["10.00", "1.00"]  # no acceptance length without speculation
     assert lines[3].split()[-3:] == ["20.00", "2.00", "3.80"]
+
+
+def test_the_int8_draft_is_the_default_only_where_amx_runs_it(demo, monkeypatch):
+    """The int8 (W8A8) draft pays only through AMX int8 tiles; elsewhere the demo drafts with the
+    bf16 checkpoint. Either can be asked for; the smollm pair's self-draft stays as prepared."""
+    for amx, want in ((True, True), (False, False)):
+        monkeypatch.setattr(demo, "cpu_has_amx", lambda amx=amx: amx)
+        assert demo.uses_int8_draft(demo.parse_args([])) is want
+        assert demo.uses_int8_draft(demo.parse_args(["--int8-draft"])) is True
+        assert demo.uses_int8_draft(demo.parse_args(["--bf16-draft"])) is False
+        assert demo.uses_int8_draft(demo.parse_args(["--pair", "smollm", "--int8-draft"])) is False
