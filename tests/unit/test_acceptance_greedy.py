@@ -12,7 +12,28 @@ from hypothesis import strategies as st
 from vllm_gsd.graph import AcceptedPaths, GraphBuilder, GraphParams, walk_tree
 from vllm_gsd.graph.acceptance import _walk_tree_torch
 
-WALKS = {"numpy (CPU tensors)": walk_tree, "torch (other devices)": _walk_tree_torch}
+
+
+def _deepest(parents, num_nodes) -> int:
+    """The depth of the deepest node any walk can enter (a node whose parent is an earlier row)."""
+    deepest = 0
+    for b in range(parents.shape[0]):
+        depth = [0] * (parents.shape[1] + 1)
+        for row in range(1, min(int(num_nodes[b]), parents.shape[1]) + 1):
+            parent = int(parents[b, row - 1])
+            if 0 <= parent < row:
+                depth[row] = depth[parent] + 1
+                deepest = max(deepest, depth[row])
+    return deepest
+
+
+def _walk_tree_torch_to_depth(tokens, parents, num_nodes, row_target):
+    """The torch walk with the scorer's bound: exactly as many gathers as the deepest node."""
+    return _walk_tree_torch(tokens, parents, num_nodes, row_target, max_depth=_deepest(parents, num_nodes))
+
+
+WALKS = {"numpy (CPU tensors)": walk_tree, "torch (other devices)": _walk_tree_torch,
+         "torch to the trees' depth": _walk_tree_torch_to_depth}
 
 
 def random_bfs_trees(generator, batch, budget, vocab):

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_gsd.engine.draft_head import Int8DraftHead, head_error, logit_columns, top_children, widen
+from vllm_gsd.engine.draft_head import Int8DraftHead, head_error, logit_columns, read_children, top_children, widen
 from vllm_gsd.quantize_draft import quantize_per_channel
 
 
@@ -103,3 +103,16 @@ def test_children_of_a_reduced_head_are_the_top_tokens_among_the_scored_ids(voca
     assert torch.allclose(probs, expected_probs)
     # Without a column map, columns are tokens.
     assert torch.equal(top_children(whole, k)[0], torch.softmax(whole, dim=-1).topk(k, dim=-1)[1])
+
+
+def test_children_come_back_exact_in_one_read():
+    """read_children packs tokens and probs into one float64 read: every int64 id below 2**53 and
+    every float32 probability (subnormals, 0, 1 included) comes back bit-identical."""
+    tokens = torch.tensor([[0, 1, 2**31 - 1], [2**53 - 1, 151935, 7]], dtype=torch.int64)
+    probs = torch.tensor([[1.0, 0.0, 1e-45], [0.333333343, 1.17549435e-38, 0.999999940]], dtype=torch.float32)
+    got_tokens, got_probs = read_children(tokens, probs)
+    assert got_tokens.dtype == torch.int64 and got_probs.dtype == torch.float32
+    assert torch.equal(got_tokens, tokens)
+    assert torch.equal(got_probs.view(torch.int32), probs.view(torch.int32))
+    empty_tokens, empty_probs = read_children(tokens[:0], probs[:0])
+    assert empty_tokens.shape == (0, 3) and empty_probs.shape == (0, 3)

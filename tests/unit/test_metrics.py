@@ -61,3 +61,26 @@ def test_only_the_exporting_rank_adds_to_the_process_counters():
         metrics.step_done()
     assert exported() - before == 3
     assert rank0.stats.trees_verified == rank1.stats.trees_verified == 3
+
+
+def test_tree_counts_read_the_accepted_paths_once():
+    """sampling_hooks._tree_counts: the step's counters and each request's accepted count from the
+    accepted paths (a path through a merged node counts once per request)."""
+    import torch
+
+    from vllm_gsd.graph import AcceptedPaths
+    from vllm_gsd.vllm_v0_32.runner.sampling_hooks import _tree_counts
+
+    class Tree:  # what _tree_counts reads of a TreeBatch
+        num_nodes = torch.tensor([3, 0, 2, 4])
+        via_merge = torch.tensor([[False, True, False, False], [False] * 4,
+                                  [False, False, False, False], [False, False, False, True]])
+
+    accepted = AcceptedPaths(
+        accepted_rows=torch.tensor([[0, 2, -1, -1, -1], [0, -1, -1, -1, -1], [0, 1, 2, -1, -1], [0, 1, 3, -1, -1]]),
+        output_token_ids=torch.zeros(4, 5, dtype=torch.int64),
+        num_accepted=torch.tensor([1, 0, 2, 2]))
+    num_accepted, counts = _tree_counts(Tree(), accepted)
+    assert num_accepted == [1, 0, 2, 2]
+    # request 0 accepted node 1 (row 2, merged); request 3 nodes 0 and 2 (not node 3, merged)
+    assert counts == {"trees_verified": 3, "nodes_verified": 9, "accepted_nodes": 5, "paths_through_merge": 1}

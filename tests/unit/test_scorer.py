@@ -17,7 +17,7 @@ DRAFTS = [[5, 6, 7, 8], [], [9, 10]]
 ARGMAX = [[6, 3, 11, 1, 2], [4], [9, 10, 12]]
 
 
-def _scorer_inputs(temperature: list[float] | None = None, **metadata_fields):
+def _scorer_inputs(temperature: list[float] | None = None, host_drafts: bool = False, **metadata_fields):
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from vllm_gsd.engine.tree_batch import build_tree_batch
@@ -36,8 +36,13 @@ def _scorer_inputs(temperature: list[float] | None = None, **metadata_fields):
     tree_base = np.array([40, 7, 23])
     temperature = temperature or [0.0] * batch
     keys = [None if t == 0.0 else 1234 + b for b, t in enumerate(temperature)]
+    draft_token_ids = None
+    if host_drafts:  # the runner's host copy of the draft tokens (step_hooks._verification_trees)
+        draft_token_ids = torch.full((batch, width), -1, dtype=torch.int64)
+        for b, drafts in enumerate(DRAFTS):
+            draft_token_ids[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.int64)
     tree = build_tree_batch(parent_row, depth, num_nodes, tree_base, torch.zeros_like(parent_row, dtype=torch.bool),
-                            keys, query_start_loc, torch.device("cpu"))
+                            keys, query_start_loc, torch.device("cpu"), draft_token_ids=draft_token_ids)
     metadata = TreeSpecDecodeMetadata.wrap(SpecDecodeMetadata.make_dummy(DRAFTS, torch.device("cpu")), tree)
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(int(query_start_loc[-1]), VOCAB, generator=generator)
@@ -60,6 +65,20 @@ def test_greedy_walk_emits_the_accepted_path_and_the_targets_token():
     assert output.sampled_token_ids.tolist() == [[6, 11, -1, -1, -1], [4, -1, -1, -1, -1], [9, 10, 12, -1, -1]]
     assert output.accepted.num_accepted.tolist() == [1, 0, 2]
     assert output.accepted.accepted_rows[0, :2].tolist() == [0, 2]
+
+
+def test_the_trees_host_copy_of_the_draft_tokens_replaces_vllms():
+    """With TreeBatch.draft_token_ids the scorer does not read vLLM's device copy: the same
+    output, even with vLLM's tokens scrambled (they are not looked at)."""
+    expected, _ = _score(*_scorer_inputs(host_drafts=True))
+    for temperature in (None, [0.7, 0.0, 1.0]):
+        reference, _ = _score(*_scorer_inputs(temperature))
+        metadata, logits, sampling = _scorer_inputs(temperature, host_drafts=True)
+        metadata.draft_token_ids = torch.full_like(metadata.draft_token_ids, VOCAB - 1)
+        output, _ = _score(metadata, logits, sampling)
+        assert torch.equal(output.sampled_token_ids, reference.sampled_token_ids)
+        assert torch.equal(output.accepted.accepted_rows, reference.accepted.accepted_rows)
+    assert expected.accepted.num_accepted.tolist() == [1, 0, 2]
 
 
 def test_top_logprobs_come_from_the_row_that_predicted_each_token():

@@ -93,8 +93,15 @@ def top_children(logits: torch.Tensor, k: int, columns: torch.Tensor | None = No
     """(tokens int64 [R, k], probs float32 [R, k]), CPU, descending: the k most likely tokens of
     each row of logits [R, C] under their softmax; column c is token columns[c] (None: token c)."""
     top_probs, top_columns = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    top_columns = top_columns.cpu()
-    return (top_columns if columns is None else columns[top_columns]), top_probs.cpu()
+    top_columns, top_probs = read_children(top_columns, top_probs)
+    return (top_columns if columns is None else columns[top_columns]), top_probs
+
+
+def read_children(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 [R, k], probs float32 [R, k]) on the host, in one device-to-host read: both
+    packed into one float64 tensor (token ids below 2**53 and float32 values are exact in float64)."""
+    packed = torch.stack([tokens.to(torch.float64), probs.to(torch.float64)]).cpu()
+    return packed[0].to(torch.int64), packed[1].to(torch.float32)
 
 
 def widen(logits: torch.Tensor, columns: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -87,7 +87,8 @@ def score_trees(root_tokens: torch.Tensor, logits: torch.Tensor, num_draft: list
 
     root_tokens [B]: the target's token at each request's row 0 (logits row row_start[b]);
     num_draft: each request's node count; flat_draft_token_ids: the step's draft tokens, request
-    after request (vLLM's layout); tree: the step's TreeBatch, or None, where the drafts are
+    after request (vLLM's layout), read only where the tree carries no host copy of them
+    (`TreeBatch.draft_token_ids`); tree: the step's TreeBatch, or None, where the drafts are
     scored as chains, with fresh noise (vLLM's dummy sampler runs).
     """
     batch_size = len(num_draft)
@@ -101,13 +102,17 @@ def score_trees(root_tokens: torch.Tensor, logits: torch.Tensor, num_draft: list
             parent_row, depth = tree.parent_row[:, :max_nodes], tree.depth[:, :max_nodes]
         else:
             parent_row, depth = chain_trees(num_draft)
-        draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
         valid = torch.arange(max_nodes)[None, :] < rows_per_request[:, None] - 1
-        draft_token_ids[valid] = flat_draft_token_ids.cpu().to(torch.int64)
+        if tree is not None and tree.draft_token_ids is not None:  # the host's copy: no read
+            draft_token_ids = torch.where(valid, tree.draft_token_ids[:, :max_nodes], -1)
+        else:
+            draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
+            draft_token_ids[valid] = flat_draft_token_ids.cpu().to(torch.int64)
         fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
                        tree, sampling_metadata)
         accepted = walk_tree(draft_token_ids.to(device), parent_row.to(device),
-                             torch.tensor(num_draft, dtype=torch.int64, device=device), row_target)
+                             torch.tensor(num_draft, dtype=torch.int64, device=device), row_target,
+                             max_depth=int(depth.max()))
     else:  # no request has nodes: each emits its root token (the runner samples such steps plainly)
         accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
                                  torch.zeros(batch_size, dtype=torch.int64, device=device))
@@ -125,6 +130,10 @@ def fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, 
     counts = torch.tensor(num_draft, dtype=torch.int64)
     if sampling_metadata.all_greedy:
         sampled = torch.zeros(len(num_draft), dtype=torch.bool)
+    elif tree is not None and len(tree.noise_key) == len(num_draft):
+        # The host knows: a request with nodes has a noise key iff it samples (temperature >=
+        # SAMPLING_EPS, engine/sampling.is_sampled); requests without nodes are not looked at.
+        sampled = torch.tensor([key is not None for key in tree.noise_key], dtype=torch.bool)
     else:
         sampled = sampling_metadata.temperature.cpu() >= SAMPLING_EPS
     request_of_row = torch.repeat_interleave(torch.arange(len(num_draft)), counts + 1)

@@ -94,7 +94,10 @@ class TreeBatch:
     noise_key: per request the key of its sampling noise (engine/sampling.py), None if greedy;
     attention: the same trees as the attention layers see them;
     options: per request what vLLM's sampler applies to its rows besides temperature, top-k and
-        top-p (engine/node_processing.py), None if nothing.
+        top-p (engine/node_processing.py), None if nothing;
+    draft_token_ids: int64 [B, Nmax] (host), -1 past num_nodes[b]: the draft tokens the
+        scheduler sent (the ones vLLM's metadata carries on the device), so the scorer need not
+        read them back; None: the scorer reads vLLM's.
     """
 
     parent_row: torch.Tensor
@@ -105,6 +108,7 @@ class TreeBatch:
     noise_key: list[int | None]
     attention: TreeAttention
     options: list[RequestOptions | None] = field(default_factory=list)
+    draft_token_ids: torch.Tensor | None = None
 
     def options_of(self, b: int) -> RequestOptions | None:
         return self.options[b] if b < len(self.options) else None
@@ -129,7 +133,8 @@ def is_chain(parent_row: torch.Tensor, num_nodes: torch.Tensor) -> torch.Tensor:
 def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: torch.Tensor,
                      tree_base: np.ndarray, via_merge: torch.Tensor, noise_key: list[int | None],
                      query_start_loc: np.ndarray, device: torch.device,
-                     options: list[RequestOptions | None] | None = None) -> TreeBatch:
+                     options: list[RequestOptions | None] | None = None,
+                     draft_token_ids: torch.Tensor | None = None) -> TreeBatch:
     """The step's TreeBatch from per-row trees (see TreeBatch) and the forward's
     query_start_loc (int [B + 1], host): a request's tree rows are its last n + 1 tokens."""
     num_nodes_np = num_nodes.numpy()
@@ -144,7 +149,8 @@ def build_tree_batch(parent_row: torch.Tensor, depth: torch.Tensor, num_nodes: t
     words = ancestor_words_from_parents(parent_row[index], num_nodes[index])
     attention = TreeAttention.build(request_index, query_start, query_len, tree_base[request_index],
                                     words, query_tree_row, device)
-    return TreeBatch(parent_row, depth, num_nodes, tree_base, via_merge, noise_key, attention, options or [])
+    return TreeBatch(parent_row, depth, num_nodes, tree_base, via_merge, noise_key, attention, options or [],
+                     draft_token_ids)
 
 
 class TreeSlot:

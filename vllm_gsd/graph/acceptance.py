@@ -33,7 +33,7 @@ class AcceptedPaths:
 
 
 def walk_tree(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes: torch.Tensor,
-              row_target_token: torch.Tensor) -> AcceptedPaths:
+              row_target_token: torch.Tensor, max_depth: int | None = None) -> AcceptedPaths:
     """Walk each tree along the target's per-row tokens.
 
     draft_token_ids, parent_row: int64 [B, N]; num_nodes: int64 [B];
@@ -43,9 +43,11 @@ def walk_tree(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes
     accepted row j, so the accepted nodes' tokens are followed by the target's bonus token.
 
     First every row's next row is found at once (its lowest-row child carrying the target's
-    token at that row); the walk then takes one gather per accepted node. A node whose parent
-    is not an earlier row (off contract) is never entered. CPU tensors take a compiled loop
-    over the rows instead (each torch op costs microseconds); results are on the inputs' device.
+    token at that row); the walk then takes one gather per depth, max_depth of them (at least
+    the depth of every tree's deepest node; None: N), with no early exit, so the host never
+    waits on the device. A node whose parent is not an earlier row (off contract) is never
+    entered. CPU tensors take a compiled loop over the rows instead (each torch op costs
+    microseconds; max_depth is not needed there); results are on the inputs' device.
     """
     tensors = (draft_token_ids, parent_row, num_nodes, row_target_token)
     if all(tensor.device.type == "cpu" for tensor in tensors):
@@ -54,7 +56,7 @@ def walk_tree(draft_token_ids: torch.Tensor, parent_row: torch.Tensor, num_nodes
         accepted = np.empty(batch, dtype=np.int64)
         _walk_tree_compiled(*(_int64_array(tensor) for tensor in tensors), rows, tokens, accepted)
         return AcceptedPaths(torch.from_numpy(rows), torch.from_numpy(tokens), torch.from_numpy(accepted))
-    return _walk_tree_torch(*tensors)
+    return _walk_tree_torch(*tensors, max_depth=max_depth)
 
 
 def _int64_array(tensor: torch.Tensor) -> np.ndarray:
@@ -65,7 +67,8 @@ def _int64_array(tensor: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.detach().to(torch.int64).numpy())
 
 
-def _walk_tree_torch(draft_token_ids, parent_row, num_nodes, row_target_token) -> AcceptedPaths:
+def _walk_tree_torch(draft_token_ids, parent_row, num_nodes, row_target_token,
+                     max_depth: int | None = None) -> AcceptedPaths:
     batch, budget = draft_token_ids.shape
     device = draft_token_ids.device
     stop = budget + 1  # a column past the last row, where a walk rests once it has stopped
@@ -76,12 +79,12 @@ def _walk_tree_torch(draft_token_ids, parent_row, num_nodes, row_target_token) -
     next_row = torch.full((batch, budget + 2), stop, dtype=torch.long, device=device)
     next_row.scatter_reduce_(1, torch.where(match, parent, stop), torch.where(match, rows, stop), "amin")
 
+    # Once stopped a walk rests at `stop` (next_row[stop] is stop): a fixed number of gathers,
+    # one per depth a path can reach, gives the early-exit walk's result without reading.
     current = torch.zeros(batch, 1, dtype=torch.long, device=device)
     path = [current]
-    for _ in range(budget):
+    for _ in range(budget if max_depth is None else max(0, min(int(max_depth), budget))):
         current = next_row.gather(1, current)
-        if bool((current == stop).all()):
-            break
         path.append(current)
     path.append(torch.full((batch, budget + 1 - len(path)), stop, dtype=torch.long, device=device))
     path_rows = torch.cat(path, 1)  # [B, N + 1]

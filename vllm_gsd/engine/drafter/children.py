@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_gsd.engine.draft_head import DraftHead, logit_columns, top_children, widen
+from vllm_gsd.engine.draft_head import DraftHead, logit_columns, read_children, top_children, widen
 from vllm_gsd.engine.drafter.batch import DraftBatch
 from vllm_gsd.engine.drafter.choose import Candidate
 from vllm_gsd.engine.node_processing import min_p_of_rows, process_rows
@@ -132,4 +132,4 @@ def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candida
     positions = np.asarray([candidates[b].root_pos for b in request_index]) + depth + 1
     noise = gumbel_noise(np.asarray([s.noise_key for s in settings]), positions, vocab, device)
     top_tokens, top_probs = gumbel_top_k(scores, noise, top_k)
-    return Children(top_tokens.cpu(), top_probs.cpu())
+    return Children(*read_children(top_tokens, top_probs))

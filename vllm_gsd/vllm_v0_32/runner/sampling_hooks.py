@@ -32,10 +32,12 @@ def wrap_sample(original):
             output = original(self, logits, spec_decode_metadata)
             scored = time.perf_counter()
             tree = spec_decode_metadata.tree
-            _compact_target_kv(self, tree, output.accepted)
+            num_accepted, counts = _tree_counts(tree, output.accepted)
+            counted = time.perf_counter()
+            _compact_target_kv(self, tree, output.accepted, max(num_accepted, default=0))
             self.gsd.metrics.add(verify_us=int((scored - started) * 1e6),
-                                 kv_compaction_us=int((time.perf_counter() - scored) * 1e6),
-                                 **_tree_counts(tree, output.accepted))
+                                 kv_compaction_us=int((time.perf_counter() - counted) * 1e6),
+                                 **counts)
         except Exception as error:
             stop_on_rank_failure(self, "tree scoring", error)
         return output
@@ -43,27 +45,34 @@ def wrap_sample(original):
     return _sample
 
 
-def _tree_counts(tree: TreeBatch, accepted) -> dict[str, int]:
-    """GSD's verification counters for one step."""
+def _tree_counts(tree: TreeBatch, accepted) -> tuple[list[int], dict[str, int]]:
+    """Each request's accepted node count and GSD's verification counters for one step.
+
+    One device-to-host read: each request's accepted count beside its accepted rows, stacked
+    (the merge lookup of the accepted paths then runs on the host's `via_merge`)."""
     num_nodes = tree.num_nodes.tolist()
-    num_accepted = accepted.num_accepted.tolist()
+    host = torch.cat([accepted.num_accepted.reshape(-1, 1).to(torch.int64),
+                      accepted.accepted_rows.to(torch.int64)], dim=1).tolist()
+    num_accepted = [row[0] for row in host]
     trees = [b for b, n in enumerate(num_nodes) if n]
     through_merge = 0
     for b in trees:
         a = num_accepted[b]
         if a:
-            path = accepted.accepted_rows[b, 1:a + 1].cpu() - 1
+            path = torch.tensor(host[b][2:a + 2], dtype=torch.int64) - 1
             through_merge += bool(tree.via_merge[b, path].any())
-    return {"trees_verified": len(trees), "nodes_verified": sum(num_nodes),
-            "accepted_nodes": sum(num_accepted[b] for b in trees), "paths_through_merge": through_merge}
+    return num_accepted, {"trees_verified": len(trees), "nodes_verified": sum(num_nodes),
+                          "accepted_nodes": sum(num_accepted[b] for b in trees),
+                          "paths_through_merge": through_merge}
 
 
-def _compact_target_kv(runner, tree: TreeBatch, accepted) -> None:
-    """Move each request's accepted nodes' KV to consecutive positions after its root."""
+def _compact_target_kv(runner, tree: TreeBatch, accepted, max_accepted: int) -> None:
+    """Move each request's accepted nodes' KV to consecutive positions after its root
+    (max_accepted: the most nodes a request accepted, read by `_tree_counts`)."""
     from vllm_gsd.kernels.kv_compaction import compact_kv, compact_kv_cpu
 
     num_accepted = accepted.num_accepted
-    if int(num_accepted.max()) == 0:
+    if max_accepted == 0:
         return
     block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
     table = block_table.get_device_tensor(runner.input_batch.num_reqs)

@@ -181,6 +181,7 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
     # Drafts we did not propose as a tree are verified as a chain.
     parent_row, depth = chain_trees(num_draft)
     via_merge = torch.zeros(parent_row.shape, dtype=torch.bool)
+    draft_token_ids = torch.full(parent_row.shape, -1, dtype=torch.int64)
     tree_base = np.zeros(num_reqs, dtype=np.int64)
     keys: list[int | None] = [None] * num_reqs
     options: list[RequestOptions | None] = [None] * num_reqs
@@ -190,6 +191,7 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
         if num_nodes == 0:
             continue
         i = batch.req_id_to_index[req_id]
+        draft_token_ids[i, :num_nodes] = torch.as_tensor(list(draft_tokens), dtype=torch.int64)
         tree = proposed.get(req_id)
         if (tree is not None and num_nodes <= tree.draft_token_ids.numel()
                 and tree.draft_token_ids[:num_nodes].tolist() == list(draft_tokens)):
@@ -211,7 +213,7 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
         rows, positions = _to_device(rows_and_positions, runner.positions.device)
         runner.positions[rows] = positions
     return build_tree_batch(parent_row, depth, torch.tensor(num_draft, dtype=torch.int64), tree_base,
-                            via_merge, keys, query_start_loc, runner.device, options)
+                            via_merge, keys, query_start_loc, runner.device, options, draft_token_ids)
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
