@@ -451,6 +451,20 @@ def write_results(out_dir: Path, pair: Pair, rows: list[Row], meta: dict) -> Non
         plt.close(fig)
 
 
+def machine_text() -> str:
+    """This machine for a result's header: CPU model, cores, and whether it has AMX tiles (which
+    decide whether an int8 draft is fast on a CPU)."""
+    model, amx = platform.machine(), False
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                      if line.startswith("model name")), model)
+        amx = "amx_int8" in cpuinfo
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, {'with' if amx else 'no'} AMX tiles"
+
+
 def emit(text: str, out: str | None) -> None:
     """Print a rendered table, and write it to `out` (a file path) when given."""
     print(text)
@@ -572,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import vllm
 
-    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "vllm": vllm.__version__,
+    meta = {"machine": machine_text(), "vllm": vllm.__version__,
             "num_prompts": len(prompt_ids[workloads[0]]), "max_tokens": args.max_tokens,
             "workloads": workloads,
             "batch1_prompts": args.batch1_prompts, "prompt_offset": args.prompt_offset,
