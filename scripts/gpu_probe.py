@@ -783,7 +783,8 @@ class Probe:
     def walk(self) -> None:
         """walk_tree (torch, the engine's device path) and triton_walk_tree on device tensors:
         same results, time, and device-to-host syncs per call. Tokens come from a 2-token
-        vocabulary so paths run deep (the torch walk syncs once per accepted step)."""
+        vocabulary so paths run deep (neither should sync: the torch walk takes a fixed number of
+        gathers, no early-exit read)."""
         acceptance = graph_module("acceptance")
         # walk_tree takes its torch path on device tensors; CPU tensors would take the numba
         # loop, so the smoke run calls the device path itself (its host reads = a GPU's syncs).

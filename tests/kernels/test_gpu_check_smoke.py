@@ -62,8 +62,10 @@ def test_cpu_smoke_run_writes_the_report(tmp_path):
     assert all(r["nan_out"] == 0 and r["pad_written"] == 0 for r in deploy)
     assert all(r["past_threshold"] for r in data["probe"]["offsets"]["rows"])
     walk = {r["case"].split(" B=")[0]: r for r in data["probe"]["walk"]["rows"]}
+    # Both walks run on the device without reading it: the torch walk takes a fixed number of
+    # gathers (graph/acceptance.py), no early-exit read per depth.
     assert walk["triton_walk_tree"]["host_reads"] == 0
-    assert walk["walk_tree (torch)"]["host_reads"] >= 1  # one host read per walk step
+    assert walk["walk_tree (torch)"]["host_reads"] == 0
 
 
 def test_probe_layout_orders_match_vllm():
