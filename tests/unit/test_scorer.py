@@ -4,6 +4,7 @@ after it, and the logprobs vLLM reports along it, for trees built by hand."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from sampling_stand_ins import sampling_metadata
 
@@ -122,3 +123,125 @@ def test_sampled_walk_draws_every_row_with_its_positions_noise():
         logits_row = 6 + j  # a chain: the path's j-th row is node j
         noise = gumbel_noise(np.array([1234 + 2]), np.array([23 + j + 1]), VOCAB)
         assert emitted[j] == gumbel_argmax(logits[logits_row:logits_row + 1] / 0.8, noise)[0]
+
+
+def _random_trees(rng: np.random.Generator, batch: int, vocab: int):
+    """Trees built level by level (depth non-decreasing, children after their parents, tokens
+    drawn from a small vocabulary so siblings repeat tokens and walks go deep), as
+    (parent_row, depth, draft_token_ids) int64 [B, Nmax], -1 / 0 / -1 padded."""
+    trees = []
+    for _ in range(batch):
+        parents, depths, level = [], [], [0]
+        for depth in range(1, int(rng.integers(0, 5)) + 1):
+            below = sorted(int(rng.choice(level)) for _ in range(int(rng.integers(1, 4))))
+            level = list(range(len(parents) + 1, len(parents) + 1 + len(below)))
+            parents += below
+            depths += [depth] * len(below)
+        trees.append((parents, depths, rng.integers(0, vocab, len(parents)).tolist()))
+    width = max(1, max(len(p) for p, _, _ in trees))
+    parent_row = torch.full((batch, width), -1, dtype=torch.int64)
+    depth = torch.zeros((batch, width), dtype=torch.int64)
+    draft_token_ids = torch.full((batch, width), -1, dtype=torch.int64)
+    for b, (parents, depths, tokens) in enumerate(trees):
+        parent_row[b, :len(parents)] = torch.tensor(parents, dtype=torch.int64)
+        depth[b, :len(depths)] = torch.tensor(depths, dtype=torch.int64)
+        draft_token_ids[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+    return parent_row, depth, draft_token_ids
+
+
+def _reference_walk(logits, start, parents, tokens, key, base, temperature, top_k, top_p, options):
+    """One request's sampled walk, row by row in plain Python: the emitted tokens. A row's
+    options see the tokens accepted above it (those emitted so far) as its path."""
+    from vllm_gsd.engine.node_processing import process_rows
+    from vllm_gsd.engine.sampling import processed_scores
+    from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
+
+    row, level, emitted = 0, 0, []
+    while True:
+        row_logits = logits[start + row:start + row + 1]
+        if options is not None:
+            row_logits = process_rows(row_logits.to(torch.float32), [options], [list(emitted)])
+        scores = processed_scores(row_logits, torch.tensor([temperature]),
+                                  None if top_k is None else torch.tensor([top_k]),
+                                  None if top_p is None else torch.tensor([top_p]),
+                                  None if options is None or not options.min_p else torch.tensor([options.min_p]))
+        token = int(gumbel_argmax(scores, gumbel_noise(np.array([key]), np.array([base + level + 1]),
+                                                       logits.shape[1]))[0])
+        emitted.append(token)
+        children = [i + 1 for i, (p, t) in enumerate(zip(parents, tokens)) if p == row and t == token]
+        if not children:
+            return emitted
+        row, level = children[0], level + 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("truncation", ["none", "top_k_top_p", "options"])
+def test_the_sampled_walk_reads_nothing_on_a_device_and_walks_as_on_the_cpu(monkeypatch, seed, truncation):
+    """The sampled walk on random trees: on a device (the counter's device tensors, the GPU's
+    branch) it runs every level masked and reads nothing (requests with options: one read a
+    level, their rows' paths); on the CPU it visits only walks still going. Both emit, request
+    by request, what a plain row-by-row walk with each position's noise emits."""
+    from vllm_gsd.engine import scorer
+    from vllm_gsd.engine.node_processing import RequestOptions
+    from vllm_gsd.engine.staging import HostStaging
+    from vllm_gsd.engine.tree_batch import build_tree_batch
+    from vllm_gsd.graph import walk_tree
+    from vllm_gsd.testing.host_reads import HostReadCounter, StepReads
+
+    rng = np.random.default_rng(seed)
+    batch, vocab = 9, 5
+    parent_row, depth, draft_token_ids = _random_trees(rng, batch, vocab)
+    num_nodes = (parent_row >= 0).sum(1)
+    row_start = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(num_nodes + 1, 0)[:-1]])
+    logits = 3.0 * torch.randn(int((num_nodes + 1).sum()), vocab, generator=torch.Generator().manual_seed(seed))
+    # Most nodes carry their parent row's likeliest token, as a good draft's would: walks go deep.
+    for b, i in (parent_row >= 0).nonzero().tolist():
+        if rng.random() < 0.8:
+            draft_token_ids[b, i] = logits[row_start[b] + parent_row[b, i]].argmax()
+    temperature = rng.uniform(0.3, 1.5, batch).round(2).tolist()
+    temperature[3] = 0.0  # a greedy request beside them: not walked
+    keys = [None if t == 0.0 else int(k) for t, k in zip(temperature, rng.integers(0, 2**62, batch))]
+    tree_base = rng.integers(0, 100, batch)
+    walkers = torch.tensor([b for b in range(batch) if keys[b] is not None and num_nodes[b] > 0])
+    options = [None] * batch
+    if truncation == "options":  # penalties that see the path, a bias and min_p on walked requests
+        first, second, third = walkers[:3].tolist()
+        options[first] = RequestOptions(prompt_token_ids=[1], output_token_ids=[2, 2], repetition_penalty=3.0,
+                                        presence_penalty=1.0)
+        options[second] = RequestOptions(prompt_token_ids=[], output_token_ids=[], logit_bias={0: 2.0}, min_p=0.2)
+        options[third] = RequestOptions(prompt_token_ids=[3], output_token_ids=[], frequency_penalty=2.0)
+    tree = build_tree_batch(parent_row, depth, num_nodes, tree_base, torch.zeros_like(parent_row, dtype=torch.bool),
+                            keys, np.concatenate([[0], np.cumsum(num_nodes.numpy() + 1)]), torch.device("cpu"),
+                            options=options, draft_token_ids=draft_token_ids)
+    fields = {}
+    if truncation == "top_k_top_p":
+        fields = dict(top_k=torch.tensor(rng.integers(2, vocab + 1, batch)),
+                      top_p=torch.tensor(rng.uniform(0.5, 1.0, batch), dtype=torch.float32))
+    metadata = sampling_metadata(temperature, **fields)
+
+    def walk(on_device: bool):
+        monkeypatch.setattr(scorer, "HOST_DEVICE_TYPES", () if on_device else ("cpu",))
+        row_target = torch.full((batch, parent_row.shape[1] + 1), -1, dtype=torch.int64)
+        counter = HostReadCounter()
+        counter.step = StepReads()
+        with counter:
+            counter.mark([row_target, logits, metadata.temperature, metadata.top_k, metadata.top_p])
+            scorer.walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
+                                metadata, scorer.PathsOfRows(tree, parent_row, draft_token_ids),
+                                HostStaging(torch.device("cpu"), pin_memory=False))
+        return walk_tree(draft_token_ids, parent_row, num_nodes, row_target), counter.step
+
+    on_device, device_reads = walk(on_device=True)
+    on_cpu, _ = walk(on_device=False)
+    levels = int(depth[walkers].max()) + 1
+    assert device_reads.num_reads == (levels if truncation == "options" else 0), device_reads.reads
+    assert torch.equal(on_device.output_token_ids[walkers], on_cpu.output_token_ids[walkers])
+    for b in walkers.tolist():
+        n = int(num_nodes[b])
+        expected = _reference_walk(logits, int(row_start[b]), parent_row[b, :n].tolist(),
+                                   draft_token_ids[b, :n].tolist(), keys[b], int(tree_base[b]), temperature[b],
+                                   None if "top_k" not in fields else int(fields["top_k"][b]),
+                                   None if "top_p" not in fields else float(fields["top_p"][b]), options[b])
+        assert on_device.output_token_ids[b, :len(expected)].tolist() == expected
+        assert int(on_device.num_accepted[b]) == len(expected) - 1
+    assert int(on_device.num_accepted[walkers].max()) >= 2  # the trees were walked, not only their roots

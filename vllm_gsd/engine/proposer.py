@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.forward_context import set_forward_context
+from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.spec_decode.draft_model import DraftModelProposer
 
 from vllm_gsd.engine import LOGGER_NAME
@@ -49,6 +50,7 @@ from vllm_gsd.engine.drafter.children import Children, Vocabulary, draft_childre
 from vllm_gsd.engine.drafter.choose import Candidate, CandidateChooser, tokens_left
 from vllm_gsd.engine.drafter.feedback import observe_verified
 from vllm_gsd.engine.drafter.forward_metadata import DraftForward, forward_inputs, level_forwards
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.engine.drafter.grow import grow_levels, start_graph, verification_tree
 from vllm_gsd.engine.lookup import LookupAccuracy
 from vllm_gsd.engine.lookup import warm_up as warm_up_lookup
@@ -79,6 +81,7 @@ class GsdProposer(DraftModelProposer):
     def __init__(self, vllm_config, device, runner, tree_slot: TreeSlot):
         super().__init__(vllm_config=vllm_config, device=device, runner=runner)
         self.tree_slot = tree_slot
+        self.staging = HostStaging(device, is_pin_memory_available())  # draft forwards' host arrays
         spec = self.speculative_config
         knobs = spec.gsd
         self.node_budget = spec.num_speculative_tokens
@@ -243,7 +246,8 @@ class GsdProposer(DraftModelProposer):
             sorted_hidden = torch.cat([self._forward(batch, fwd, attention, np.arange(sum(map(len, fwd.token_ids))),
                                                      stats) for fwd, attention in level.forwards])
             hidden = torch.empty_like(sorted_hidden)  # back to the frontier's order
-            hidden[torch.from_numpy(level.order).to(hidden.device)] = sorted_hidden
+            (order,) = self.staging.stage([level.order])
+            hidden[order] = sorted_hidden
             return hidden
 
         def children(hidden: torch.Tensor, request_index: np.ndarray, row_depth: np.ndarray) -> Children:
@@ -258,7 +262,7 @@ class GsdProposer(DraftModelProposer):
                  stats: GsdStats) -> torch.Tensor:
         """Run the draft over `fwd` (graph-masked where `tree` says); return the hidden states
         [len(sample_index), H] of the given tokens."""
-        inputs = forward_inputs(fwd, batch.block_table, batch.num_reqs, self.device)
+        inputs = forward_inputs(fwd, batch.block_table, batch.num_reqs, self.staging, sample_index)
         with self.tree_slot.holding(tree):
             _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(inputs.common)
         started = time.perf_counter()
@@ -275,7 +279,7 @@ class GsdProposer(DraftModelProposer):
         stats.draft_model_us += int((time.perf_counter() - started) * 1e6)
         if self.budget is not None:
             self.budget.record.draft_curve_seconds += float(self.budget.policy.draft_cost(inputs.num_tokens))
-        return hidden_states[torch.from_numpy(sample_index).to(self.device)]
+        return hidden_states[inputs.sample_index]
 
     def _graph_inputs(self, token_ids: torch.Tensor, positions: torch.Tensor, num_tokens: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,7 +299,7 @@ class GsdProposer(DraftModelProposer):
         """The draft's top_k children of each row (drafter/children.py)."""
         started = time.perf_counter()
         children = draft_children(self.draft_head, hidden, self.graph_params.top_k, self._vocab_size, candidates,
-                                  request_index, depth, vocabulary)
+                                  request_index, depth, vocabulary, self.staging)
         stats.draft_logits_us += int((time.perf_counter() - started) * 1e6)
         return children
 

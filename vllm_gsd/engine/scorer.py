@@ -34,6 +34,7 @@ import torch
 
 from vllm_gsd.engine.node_processing import RequestOptions, min_p_of_rows, process_rows, row_paths
 from vllm_gsd.engine.sampling import SAMPLING_EPS, processed_scores
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.engine.tree_batch import TreeBatch, chain_trees
 from vllm_gsd.graph import AcceptedPaths, walk_tree
 from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
@@ -82,19 +83,22 @@ class PathsOfRows:
 
 
 def score_trees(root_tokens: torch.Tensor, logits: torch.Tensor, num_draft: list[int], row_start: torch.Tensor,
-                tree: TreeBatch | None, flat_draft_token_ids: torch.Tensor, sampling_metadata) -> AcceptedPaths:
+                tree: TreeBatch | None, flat_draft_token_ids: torch.Tensor, sampling_metadata,
+                staging: HostStaging | None = None) -> AcceptedPaths:
     """The accepted path of every request of the step.
 
     root_tokens [B]: the target's token at each request's row 0 (logits row row_start[b]);
     num_draft: each request's node count; flat_draft_token_ids: the step's draft tokens, request
     after request (vLLM's layout), read only where the tree carries no host copy of them
     (`TreeBatch.draft_token_ids`); tree: the step's TreeBatch, or None, where the drafts are
-    scored as chains, with fresh noise (vLLM's dummy sampler runs).
+    scored as chains, with fresh noise (vLLM's dummy sampler runs); staging: the caller's
+    (engine/staging.py), through which host arrays reach the device (None: a pageable one).
     """
     batch_size = len(num_draft)
     max_nodes = max(num_draft)
     rows_per_request = torch.tensor(num_draft, dtype=torch.int64) + 1
     device = logits.device
+    staging = staging or HostStaging(device, pin_memory=False)
     row_target = torch.full((batch_size, max_nodes + 1), -1, dtype=torch.int64, device=device)
     row_target[:, 0] = root_tokens
     if max_nodes > 0:
@@ -109,10 +113,10 @@ def score_trees(root_tokens: torch.Tensor, logits: torch.Tensor, num_draft: list
             draft_token_ids = torch.full((batch_size, max_nodes), -1, dtype=torch.int64)
             draft_token_ids[valid] = flat_draft_token_ids.cpu().to(torch.int64)
         fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
-                       tree, sampling_metadata)
-        accepted = walk_tree(draft_token_ids.to(device), parent_row.to(device),
-                             torch.tensor(num_draft, dtype=torch.int64, device=device), row_target,
-                             max_depth=int(depth.max()))
+                       tree, sampling_metadata, staging)
+        drafts, parents, counts = staging.stage([draft_token_ids.numpy(), parent_row.numpy(), np.asarray(num_draft)])
+        accepted = walk_tree(drafts.view(batch_size, max_nodes), parents.view(batch_size, max_nodes), counts,
+                             row_target, max_depth=int(depth.max()))
     else:  # no request has nodes: each emits its root token (the runner samples such steps plainly)
         accepted = AcceptedPaths(torch.zeros_like(row_target), row_target,
                                  torch.zeros(batch_size, dtype=torch.int64, device=device))
@@ -120,7 +124,7 @@ def score_trees(root_tokens: torch.Tensor, logits: torch.Tensor, num_draft: list
 
 
 def fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, draft_token_ids,
-                   tree, sampling_metadata):
+                   tree, sampling_metadata, staging: HostStaging):
     """The target's token at the rows each request's walk needs.
 
     Greedy requests: vLLM's greedy argmax at rows 1..n (the walk reads any of them). Sampled
@@ -145,51 +149,84 @@ def fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, 
     for lo in range(0, greedy_rows.numel(), chunk):
         rows = greedy_rows[lo:lo + chunk]
         requests, local = request_of_row[rows], local_row[rows]
-        row_logits = logits[rows.to(device)]  # vLLM's greedy pick, no fp32 copy without options
+        rows_on_device, requests_on_device, local_on_device = staging.stage(
+            [rows.numpy(), requests.numpy(), local.numpy()])
+        row_logits = logits[rows_on_device]  # vLLM's greedy pick, no fp32 copy without options
         options = paths.options(requests)
         if any(o is not None for o in options):
             row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, local))
-        row_target[requests.to(device), local.to(device)] = row_logits.argmax(dim=-1)
+        row_target[requests_on_device, local_on_device] = row_logits.argmax(dim=-1)
     walkers = torch.nonzero((counts > 0) & sampled).squeeze(1)
     if walkers.numel():
         walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids,
-                           tree, sampling_metadata, paths)
+                     tree, sampling_metadata, paths, staging)
+
+
+# Device types whose tensors the host reads without waiting for a stream (the CPU): there the
+# sampled walk visits only the walks still going and ends with the last one. On any other device
+# it runs a fixed number of levels over every walk, masked, and never reads. The host-read
+# counter (testing/host_reads.py) empties this to count a GPU's branch on the CPU.
+HOST_DEVICE_TYPES = ("cpu",)
 
 
 def walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
-                 sampling_metadata, paths: PathsOfRows) -> None:
+                 sampling_metadata, paths: PathsOfRows, staging: HostStaging) -> None:
     """Walk the trees of sampled requests, one level per iteration (batched over requests):
-    draw the current row's token with its noise, move to the child carrying it."""
+    draw the current row's token with its position's noise, move to the lowest-row child that
+    carries it (walk_tree's rule), or stop there.
+
+    A walk at level d is at a depth-d row (a child is one deeper than its parent), whose noise
+    key is (request key, tree_base + d + 1): the host knows every level's noise without knowing
+    which row a walk is at. So on a device the walk runs the trees' depth + 1 levels, stopped
+    walks masked, with no read; only requests with options (penalties, bad words: their rows
+    are processed with the row's path, engine/node_processing.py) need each level's rows on
+    the host, one read a level.
+    """
     device = logits.device
     vocab = logits.shape[-1]
-    num_nodes = (parent_row >= 0).sum(1)
+    visit_only_active = device.type in HOST_DEVICE_TYPES
+    num_walkers = walkers.numel()
     # A request without keys (vLLM's dummy runs) draws fresh noise.
     keys = (np.asarray([tree.noise_key[b] for b in walkers.tolist()], dtype=np.int64) if tree is not None
-            else np.random.randint(0, 2**62, walkers.numel()))
-    tree_base = (tree.tree_base[walkers.numpy()] if tree is not None else np.zeros(walkers.numel(), np.int64))
-    temperature, top_k, top_p = (sampling_metadata.temperature, sampling_metadata.top_k,
-                                 sampling_metadata.top_p)
-    current = torch.zeros(walkers.numel(), dtype=torch.int64)  # row of each walk
-    active = torch.ones(walkers.numel(), dtype=torch.bool)
-    nodes = torch.arange(1, parent_row.shape[1] + 1)
-    while bool(active.any()):
-        index = torch.nonzero(active).squeeze(1)
-        requests = walkers[index]
-        rows = row_start[requests] + current[index]
-        row_depth = torch.where(current[index] > 0, depth[requests, (current[index] - 1).clamp(min=0)], 0)
-        req = requests.to(device)
-        row_logits = logits[rows.to(device)]
-        options = paths.options(requests)
-        if any(o is not None for o in options):
-            row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, current[index]))
-        scores = processed_scores(row_logits, temperature[req], None if top_k is None else top_k[req],
-                                  None if top_p is None else top_p[req], min_p_of_rows(options, device))
-        noise = gumbel_noise(keys[index.numpy()], tree_base[index.numpy()] + row_depth.numpy() + 1, vocab, device)
-        tokens = gumbel_argmax(scores, noise).cpu()
-        row_target[req, current[index].to(device)] = tokens.to(device)
-        # The lowest-row child of the current row that carries the token (walk_tree's rule).
-        is_child = ((parent_row[requests] == current[index, None]) & (nodes[None, :] <= num_nodes[requests, None])
-                    & (draft_token_ids[requests] == tokens[:, None]))
-        found = is_child.any(1)
-        current[index] = torch.where(found, is_child.int().argmax(1) + 1, current[index])
-        active[index] = found
+            else np.random.randint(0, 2**62, num_walkers))
+    tree_base = (tree.tree_base[walkers.numpy()] if tree is not None else np.zeros(num_walkers, np.int64))
+    options = paths.options(walkers)
+    any_options = any(o is not None for o in options)
+    # Each walk's nodes (parent row, or -2 past its nodes: never matched) and their tokens, and
+    # the first row of each walk's logits: one staged copy.
+    is_node = torch.arange(1, parent_row.shape[1] + 1) <= (parent_row[walkers] >= 0).sum(1, keepdim=True)
+    requests, node_parent, node_token, first_row = staging.stage(
+        [walkers.numpy(), torch.where(is_node, parent_row[walkers], -2).numpy(), draft_token_ids[walkers].numpy(),
+         row_start[walkers].numpy()])
+    node_parent, node_token = node_parent.view(num_walkers, -1), node_token.view(num_walkers, -1)
+    temperature = sampling_metadata.temperature[requests]
+    top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[requests]
+    top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[requests]
+    min_p = min_p_of_rows(options, device)
+    current = torch.zeros(num_walkers, dtype=torch.int64, device=device)  # row of each walk
+    active = torch.ones(num_walkers, dtype=torch.bool, device=device)
+    for level in range(int(depth[walkers].max()) + 1):
+        if visit_only_active:
+            sel = torch.nonzero(active).squeeze(1)  # a host tensor: no wait
+            if sel.numel() == 0:
+                break
+            host_sel = sel.numpy()
+            sel_options = [options[i] for i in host_sel]
+        else:
+            sel = host_sel = slice(None)
+            sel_options = options
+        rows = current[sel]
+        row_logits = logits[first_row[sel] + rows]
+        if any_options:
+            row_logits = process_rows(row_logits.to(torch.float32), sel_options,
+                                      paths.of(walkers[sel], rows.cpu()))
+        scores = processed_scores(row_logits, temperature[sel], None if top_k is None else top_k[sel],
+                                  None if top_p is None else top_p[sel], None if min_p is None else min_p[sel])
+        noise = gumbel_noise(keys[host_sel], tree_base[host_sel] + level + 1, vocab, device)
+        tokens = gumbel_argmax(scores, noise)
+        still = active[sel]
+        row_target[requests[sel], rows] = torch.where(still, tokens, row_target[requests[sel], rows])
+        is_child = (node_parent[sel] == rows[:, None]) & (node_token[sel] == tokens[:, None])
+        found = still & is_child.any(1)
+        current[sel] = torch.where(found, is_child.int().argmax(1) + 1, rows)
+        active[sel] = found

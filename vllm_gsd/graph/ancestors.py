@@ -36,7 +36,9 @@ def own_bit_words(num_rows: int, device: torch.device | str = "cpu") -> torch.Te
     """int32 [num_rows, W]: row r has only its own bit set (torch twin of own_bit_words_numpy)."""
     rows = torch.arange(num_rows, device=device)
     word_of_row = rows // 32
-    bit_values = torch.tensor(_bit_values_int64(), dtype=torch.int32, device=device)
+    # int32 value of bit j, made where it is used (no host copy): bit 31 is the sign bit.
+    bit = torch.arange(32, dtype=torch.int32, device=device)
+    bit_values = torch.where(bit < 31, torch.ones_like(bit) << bit.clamp(max=30), torch.iinfo(torch.int32).min)
     words = torch.zeros(num_rows, num_ancestor_words(num_rows), dtype=torch.int32, device=device)
     words[rows, word_of_row] = bit_values[rows % 32]
     return words
@@ -58,7 +60,7 @@ def ancestor_words_from_parents(parent_row: torch.Tensor, num_nodes: torch.Tenso
     device = parent_row.device
     rows = torch.arange(num_rows, device=device)
     node_rows = rows[1:].expand(batch, budget)
-    is_node = node_rows <= num_nodes.to(device).view(batch, 1)
+    is_node = node_rows <= (num_nodes if num_nodes.device == device else num_nodes.to(device)).view(batch, 1)
     valid_parent = is_node & (parent_row >= 0) & (parent_row < node_rows)
     # Rows without a real parent (root, padding) point at themselves: a fixed point of the jump.
     jump = torch.cat(

@@ -39,15 +39,18 @@ def gumbel_noise(keys: np.ndarray, positions: np.ndarray, vocab_size: int,
     """
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)
     positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-    pairs, inverse = np.unique(np.stack([keys, positions], axis=1), axis=0, return_inverse=True)
-    seeds = (counter_keys(pairs[:, 0], pairs[:, 1]) >> np.uint64(1)).astype(np.int64)  # 63 bits
+    seeds = (counter_keys(keys, positions) >> np.uint64(1)).astype(np.int64)  # 63 bits
     generator = torch.Generator(device=device)
-    noise = torch.empty((len(pairs), vocab_size), dtype=torch.float64, device=device)
+    noise = torch.empty((len(seeds), vocab_size), dtype=torch.float64, device=device)
+    first_row: dict[int, int] = {}  # a pair's first row: later rows of the pair copy it on the device
     for row, seed in enumerate(seeds.tolist()):
-        generator.manual_seed(seed)
-        noise[row].uniform_(generator=generator)
-    noise.clamp_(min=_TINY).log_().neg_().log_().neg_()  # -log(-log u)
-    return noise[torch.from_numpy(inverse.reshape(-1)).to(device)]
+        if seed in first_row:
+            noise[row] = noise[first_row[seed]]
+        else:
+            first_row[seed] = row
+            generator.manual_seed(seed)
+            noise[row].uniform_(generator=generator)
+    return noise.clamp_(min=_TINY).log_().neg_().log_().neg_()  # -log(-log u)
 
 
 def gumbel_argmax(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

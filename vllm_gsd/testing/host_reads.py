@@ -44,7 +44,8 @@ Approximations (the figures are a proxy, not a profile):
   So is code that runs on the CPU only where a GPU runs a kernel (`CPU_ONLY_FILES`, the CPU
   tree-attention plan; `CPU_ONLY_FUNCTIONS`, the CPU KV compaction's moves).
 * Where our code picks a branch by device, the GPU's is counted where it can run on the CPU:
-  the tree walk (graph/acceptance.py) runs its torch branch, not the compiled CPU loop.
+  the tree walk (graph/acceptance.py) runs its torch branch, not the compiled CPU loop, and
+  the sampled walk (engine/scorer.py) runs every level masked.
 * Ops whose output shape depends on device data (boolean-mask indexing, `nonzero`, `unique`)
   also wait on a GPU; they are not counted.
 * Only Python-level torch calls are seen: a custom op or a numba kernel that reads a tensor's
@@ -326,11 +327,13 @@ class _WorkerCounting:
 
         h2d = gpu_model_runner.async_tensor_h2d
         gpu_model_runner.async_tensor_h2d = functools.wraps(h2d)(lambda *a, **k: self.counter.mark(h2d(*a, **k)))
-        # The tree walk takes a compiled loop on CPU tensors: count the branch a GPU runs.
+        # The tree walks take CPU-only branches on CPU tensors (a compiled loop; a sampled walk
+        # that visits only walks still going): count the branches a GPU runs.
         from vllm_gsd.engine import scorer
         from vllm_gsd.graph import acceptance
 
         scorer.walk_tree = acceptance._walk_tree_torch
+        scorer.HOST_DEVICE_TYPES = ()
         for name in ("execute_model", "sample_tokens", "take_draft_token_ids"):
             setattr(worker, name, self._counted(getattr(worker, name), starts_step=name == "execute_model"))
         self._patch_synchronize()

@@ -23,15 +23,29 @@ import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
+from vllm.utils.platform_utils import is_pin_memory_available
 
 from vllm_gsd.engine.sampling import processed_scores
 from vllm_gsd.engine.scorer import KeyedRoots, score_trees
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.graph import AcceptedPaths
 from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
 from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
 
 
-class GsdSampler(Sampler):
+class _Staged:
+    """A sampler's host arrays reach the logits' device through one pinned staging
+    (engine/staging.py), made for the first device it sees."""
+
+    _staging: HostStaging | None = None
+
+    def staging(self, device: torch.device) -> HostStaging:
+        if self._staging is None or self._staging.device != device:
+            self._staging = HostStaging(device, is_pin_memory_available())
+        return self._staging
+
+
+class GsdSampler(_Staged, Sampler):
     """vLLM's Sampler, except that the rows in `keyed` are the Gumbel-max draws of
     engine/sampling.py, as tree rows are: a sampled request draws the same token at a position
     whether a tree verified it or not. Logprobs follow the token drawn (vLLM gathers them after
@@ -53,7 +67,7 @@ class GsdSampler(Sampler):
         keyed = self.keyed
         if keyed is None or not keyed.rows or max(keyed.rows) >= logits.shape[0]:
             return super().sample(logits, sampling_metadata, logprobs_mode_override)
-        rows = torch.tensor(keyed.rows, dtype=torch.int64, device=logits.device)
+        (rows,) = self.staging(logits.device).stage([np.asarray(keyed.rows)])
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
         # Before vLLM's sampler, which processes the logits in place.
         min_p = (torch.tensor(keyed.min_p, dtype=torch.float32, device=logits.device)
@@ -75,7 +89,7 @@ class TreeSamplerOutput(SamplerOutput):
     accepted: AcceptedPaths | None = None
 
 
-class GsdRejectionSampler(RejectionSampler):
+class GsdRejectionSampler(_Staged, RejectionSampler):
     """Scores the step's trees; nothing else (the runner hook compacts the KV cache).
 
     `metadata` is a TreeSpecDecodeMetadata (spec_decode.py) carrying the step's TreeBatch
@@ -89,31 +103,33 @@ class GsdRejectionSampler(RejectionSampler):
         rows_per_request = torch.tensor(num_draft, dtype=torch.int64) + 1
         row_start = torch.cumsum(rows_per_request, 0) - rows_per_request
         device = logits.device
+        staging = self.staging(device)
+        (root_rows,) = staging.stage([row_start.numpy()])  # row_start on the device
 
         # Row 0 of every request: vLLM's sampler, exactly as without speculation. Its history is
         # the committed output: vLLM would append the step's draft tokens for penalties and bad
         # words (its bonus row comes after a chain), which the root precedes.
         root_output = self.sampler(
-            logits=logits[row_start.to(device)],
+            logits=logits[root_rows],
             sampling_metadata=replace(sampling_metadata, max_num_logprobs=None,
                                       logprob_token_ids=None, spec_token_ids=None),
         )
         accepted = score_trees(root_output.sampled_token_ids[:, 0].long(), logits, num_draft, row_start, tree,
-                               metadata.draft_token_ids, sampling_metadata)
+                               metadata.draft_token_ids, sampling_metadata, staging)
         logprobs_tensors = None
         if sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids:
-            logprobs_tensors = self._path_logprobs(logits, row_start, accepted, sampling_metadata)
+            logprobs_tensors = self._path_logprobs(logits, root_rows, accepted, sampling_metadata)
         return TreeSamplerOutput(
             sampled_token_ids=accepted.output_token_ids.to(torch.int32),
             logprobs_tensors=logprobs_tensors,
             accepted=accepted,
         )
 
-    def _path_logprobs(self, logits, row_start, accepted: AcceptedPaths, sampling_metadata):
+    def _path_logprobs(self, logits, root_rows, accepted: AcceptedPaths, sampling_metadata):
         """Raw logprobs of every emitted token, from the row that predicted it, as vLLM's Sampler
         reports them: the top `max_num_logprobs`, or, where any request names
         `logprob_token_ids`, those ids (vLLM prefers them over top-k for the whole batch)."""
-        rows = accepted.accepted_rows.clamp(min=0) + row_start.to(logits.device)[:, None]
+        rows = accepted.accepted_rows.clamp(min=0) + root_rows[:, None]
         row_logits = logits[rows.flatten()].to(torch.float32)
         tokens = accepted.output_token_ids.flatten().clamp(min=0)
         logprobs = self.sampler.compute_logprobs(row_logits)

@@ -26,6 +26,7 @@ from vllm_gsd.engine.drafter.choose import Candidate
 from vllm_gsd.engine.node_processing import min_p_of_rows, process_rows
 from vllm_gsd.engine.sampling import processed_scores
 from vllm_gsd.engine.scorer import rows_per_chunk
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.graph.gumbel import gumbel_noise, gumbel_top_k
 
 
@@ -67,9 +68,13 @@ def step_vocabulary(head: DraftHead, batch: DraftBatch, candidates: list[Candida
 
 def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size: int,
                    candidates: list[Candidate] | None = None, request_index: np.ndarray | None = None,
-                   depth: np.ndarray | None = None, vocabulary: Vocabulary | None = None) -> Children:
+                   depth: np.ndarray | None = None, vocabulary: Vocabulary | None = None,
+                   staging: HostStaging | None = None) -> Children:
     """The children of each row of hidden [R, H]. Row r belongs to candidates[request_index[r]]
-    at primary depth depth[r] (candidates None: every row greedy, as in a dummy run)."""
+    at primary depth depth[r] (candidates None: every row greedy, as in a dummy run). Row
+    indices and sampling knobs reach the device through `staging` (engine/staging.py; None: a
+    pageable one)."""
+    staging = staging or HostStaging(hidden.device, pin_memory=False)
     if vocabulary is None and getattr(head, "reduced", False):  # dummy runs: the kept ids alone
         vocabulary = Vocabulary(None, logit_columns(head.kept, None))
     extra_ids, columns = vocabulary if vocabulary is not None else (None, None)
@@ -87,18 +92,27 @@ def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size
         rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
         greedy = rows[~sampled[rows] & ~options[rows]]
         if greedy.size:
-            tokens[greedy], probs[greedy] = top_children(logits[greedy - lo], top_k, columns)
+            tokens[greedy], probs[greedy] = top_children(_rows(logits, greedy - lo, staging), top_k, columns)
         constrained = rows[~sampled[rows] & options[rows]]
         if constrained.size:
-            scores = _processed(logits[constrained - lo], columns, head.vocab_size, candidates,
+            scores = _processed(_rows(logits, constrained - lo, staging), columns, head.vocab_size, candidates,
                                 request_index[constrained])
             tokens[constrained], probs[constrained] = top_children(scores, top_k)
         drawn = rows[sampled[rows]]
         if drawn.size:
-            scores = _processed(logits[drawn - lo], columns, head.vocab_size, candidates, request_index[drawn])
+            scores = _processed(_rows(logits, drawn - lo, staging), columns, head.vocab_size, candidates,
+                                request_index[drawn])
             tokens[drawn], probs[drawn] = _sampled_children(scores, top_k, candidates, request_index[drawn],
-                                                            depth[drawn])
+                                                            depth[drawn], staging)
     return Children(tokens, probs)
+
+
+def _rows(logits: torch.Tensor, index: np.ndarray, staging: HostStaging) -> torch.Tensor:
+    """logits[index] (index: sorted host rows): a slice where they are consecutive (all rows of
+    a chunk, the common case), else gathered with a staged index."""
+    if index[-1] - index[0] + 1 == index.size:
+        return logits[int(index[0]):int(index[-1]) + 1]
+    return logits[staging.stage([index])[0]]
 
 
 def _processed(logits: torch.Tensor, columns: torch.Tensor | None, vocab_size: int, candidates: list[Candidate],
@@ -118,15 +132,16 @@ def _processed(logits: torch.Tensor, columns: torch.Tensor | None, vocab_size: i
 
 
 def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candidate], request_index: np.ndarray,
-                      depth: np.ndarray) -> Children:
+                      depth: np.ndarray, staging: HostStaging) -> Children:
     settings = [candidates[b].sampling for b in request_index]
     device, vocab = logits.device, logits.shape[-1]
-    row_top_k = [s.top_k if s.top_k > 0 else vocab for s in settings]
-    row_top_p = [s.top_p for s in settings]
+    row_top_k = np.asarray([s.top_k if s.top_k > 0 else vocab for s in settings], dtype=np.int64)
+    row_top_p = np.asarray([s.top_p for s in settings], dtype=np.float64)
+    temperature, top_k_rows, top_p_rows = staging.stage(
+        [np.asarray([s.temperature for s in settings], dtype=np.float64), row_top_k, row_top_p])
     scores = processed_scores(
-        logits, torch.tensor([s.temperature for s in settings], device=device),
-        None if all(k == vocab for k in row_top_k) else torch.tensor(row_top_k, device=device),
-        None if all(p >= 1.0 for p in row_top_p) else torch.tensor(row_top_p, device=device),
+        logits, temperature, None if (row_top_k == vocab).all() else top_k_rows,
+        None if (row_top_p >= 1.0).all() else top_p_rows.to(torch.float32),
         min_p_of_rows([candidates[b].options for b in request_index], device))
     # Children of a depth-d row sit at position root_pos + d + 1.
     positions = np.asarray([candidates[b].root_pos for b in request_index]) + depth + 1

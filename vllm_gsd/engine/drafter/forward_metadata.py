@@ -3,9 +3,10 @@
 A `DraftForward` lists, per request it covers, the tokens to run, their rotary positions, the
 KV positions they write and how many KV positions they may read. `forward_inputs` turns it into
 the tensors and vLLM's CommonAttentionMetadata on the forward's device (slots from the draft's
-block table). `level_forwards` lays out one graph level: the frontier rows of every request,
-grouped by request, cut into forwards of at most max_num_tokens rows, with the graph mask
-(TreeAttention) where a request's frontier is not a plain chain.
+block table), its host arrays moved in one pinned, non-blocking copy (engine/staging.py).
+`level_forwards` lays out one graph level: the frontier rows of every request, grouped by
+request, cut into forwards of at most max_num_tokens rows, with the graph mask (TreeAttention)
+where a request's frontier is not a plain chain.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.engine.tree_batch import TreeAttention
 
 
@@ -39,30 +41,33 @@ class ForwardInputs:
     positions: torch.Tensor  # int64 [T]
     slot_mapping: torch.Tensor  # int64 [T]
     common: CommonAttentionMetadata
+    sample_index: torch.Tensor | None = None  # int64 [S]: the rows whose hidden states are kept
 
 
-def forward_inputs(fwd: DraftForward, block_table, num_reqs: int, device: torch.device) -> ForwardInputs:
-    """fwd's tensors and causal attention metadata; block_table: the draft's (vLLM BlockTable),
-    num_reqs: the runner batch's size."""
+def forward_inputs(fwd: DraftForward, block_table, num_reqs: int, staging: HostStaging,
+                   sample_index: np.ndarray | None = None) -> ForwardInputs:
+    """fwd's tensors and causal attention metadata, its host arrays moved in one staged copy
+    (engine/staging.py); block_table: the draft's (vLLM BlockTable), num_reqs: the runner
+    batch's size, sample_index: rows of the forward to keep (moved with the rest)."""
     lengths = np.asarray([len(t) for t in fwd.token_ids], dtype=np.int64)
     num_tokens = int(lengths.sum())
     query_start_loc = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=query_start_loc[1:])
-    token_ids = torch.from_numpy(np.concatenate(fwd.token_ids)).to(device, torch.int32)
-    positions = torch.from_numpy(np.concatenate(fwd.positions)).to(device)
-    kv_positions = torch.from_numpy(np.concatenate(fwd.kv_positions)).to(device)
+    seq_lens = np.asarray(fwd.seq_lens, dtype=np.int32)
+    token_request = np.repeat(np.arange(len(lengths)), lengths)
+    arrays = [np.concatenate(fwd.token_ids), np.concatenate(fwd.positions), np.concatenate(fwd.kv_positions),
+              fwd.batch_rows, token_request, query_start_loc, seq_lens]
+    staged = staging.stage(arrays if sample_index is None else [*arrays, sample_index])
+    token_ids, positions, kv_positions, batch_rows, token_request_index, query_start, seq_lens_index = staged[:7]
 
     block_size = block_table.block_size
-    table = block_table.get_device_tensor(num_reqs)[torch.from_numpy(fwd.batch_rows).to(device)]
-    token_request = torch.from_numpy(np.repeat(np.arange(len(lengths)), lengths)).to(device)
-    slot_mapping = (table[token_request, kv_positions // block_size].to(torch.int64) * block_size
+    table = block_table.get_device_tensor(num_reqs)[batch_rows]
+    slot_mapping = (table[token_request_index, kv_positions // block_size].to(torch.int64) * block_size
                     + kv_positions % block_size)
-    seq_lens = torch.tensor(fwd.seq_lens, dtype=torch.int32)
-    qsl = torch.from_numpy(query_start_loc)
     common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(device),
-        query_start_loc_cpu=qsl,
-        seq_lens=seq_lens.to(device),
+        query_start_loc=query_start.to(torch.int32),
+        query_start_loc_cpu=torch.from_numpy(query_start_loc),
+        seq_lens=seq_lens_index.to(torch.int32),
         num_reqs=len(lengths),
         num_actual_tokens=num_tokens,
         max_query_len=int(lengths.max()),
@@ -71,9 +76,10 @@ def forward_inputs(fwd: DraftForward, block_table, num_reqs: int, device: torch.
         slot_mapping=slot_mapping,
         causal=True,
         positions=positions,
-        seq_lens_cpu_upper_bound=seq_lens,
+        seq_lens_cpu_upper_bound=torch.from_numpy(seq_lens),
     )
-    return ForwardInputs(num_tokens, token_ids, positions, slot_mapping, common)
+    return ForwardInputs(num_tokens, token_ids.to(torch.int32), positions, slot_mapping, common,
+                         None if sample_index is None else staged[7])
 
 
 @dataclass(frozen=True)

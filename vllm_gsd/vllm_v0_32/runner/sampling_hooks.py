@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import time
 
-import numpy as np
 import torch
 
 from vllm_gsd.engine.tree_batch import TreeBatch
@@ -76,7 +75,8 @@ def _compact_target_kv(runner, tree: TreeBatch, accepted, max_accepted: int) -> 
         return
     block_table = runner.input_batch.block_table[runner.drafter.kv_cache_gid]
     table = block_table.get_device_tensor(runner.input_batch.num_reqs)
-    tree_base = torch.from_numpy(tree.tree_base.astype(np.int32)).to(table.device)
+    (tree_base,) = runner.drafter.staging.stage([tree.tree_base])  # one pinned, non-blocking copy
+    tree_base = tree_base.to(torch.int32)
     on_cpu = table.device.type == "cpu"
     if on_cpu:
         compact_kv_cpu(runner.gsd.target_kv_caches, table, block_table.block_size, tree_base,
