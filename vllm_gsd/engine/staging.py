@@ -10,7 +10,8 @@ tensor (the caching allocator's: freed when its views are, in stream order), ret
 Host buffers are reused round-robin, so one is not written again before the stream has run its
 last copy (a CUDA event a slot; the wait is almost never taken: a level's children are read
 between two levels' forwards, and a level rarely needs more forwards than there are slots).
-Each user keeps its own HostStaging (the drafter, the rejection sampler): one thread each.
+Each user keeps its own HostStaging (the drafter, the rejection sampler): one thread each. On
+the CPU the host's arrays are the device's: a stage is one concatenation, no copy.
 """
 
 from __future__ import annotations
@@ -23,14 +24,20 @@ import torch
 NUM_SLOTS = 4
 MIN_SLOT_ELEMENTS = 1 << 12
 
+# Called with each stage's tensor (before it is split): the host-read counter
+# (testing/host_reads.py) marks them device tensors, which they are on a GPU.
+STAGED_HOOKS: list = []
+
 
 class HostStaging:
-    """Stages int arrays for one device; `pin_memory` where the platform allows it (vLLM's
-    is_pin_memory_available)."""
+    """Stages int and float arrays for one device; `pin_memory` where the platform allows it
+    (vLLM's is_pin_memory_available). Where the device is the host (CPU), a stage is one
+    concatenation and no copy, unless `copy` asks for the device path (tests)."""
 
-    def __init__(self, device: torch.device | str, pin_memory: bool) -> None:
+    def __init__(self, device: torch.device | str, pin_memory: bool, copy: bool | None = None) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
+        self.copy = self.device.type != "cpu" if copy is None else copy
         self.pin_memory = pin_memory and self.on_cuda
         self._host = [torch.empty(0, dtype=torch.int64) for _ in range(NUM_SLOTS)]
         self._copied: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
@@ -38,12 +45,22 @@ class HostStaging:
 
     def stage(self, arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """The arrays (flattened) as device tensors, in order: int arrays as int64, float arrays
-        as float64 (their bits travel in the int64 buffer)."""
-        flat = [np.asarray(a).reshape(-1) for a in arrays]
-        is_float = [np.issubdtype(a.dtype, np.floating) for a in flat]
-        flat = [a.astype(np.float64).view(np.int64) if f else a for a, f in zip(flat, is_float)]
-        sizes = [a.size for a in flat]
-        total = sum(sizes)
+        as float64 (their bits travel as int64)."""
+        flat, sizes, is_float = [], [], []
+        for array in arrays:
+            array = np.asarray(array).reshape(-1)
+            floating = array.dtype.kind == "f"
+            flat.append(array.astype(np.float64).view(np.int64) if floating else array)
+            sizes.append(array.size)
+            is_float.append(floating)
+        staged = self._copied_to_device(flat, sum(sizes)) if self.copy else \
+            torch.from_numpy(np.concatenate(flat).astype(np.int64, copy=False))
+        for hook in STAGED_HOOKS:
+            hook(staged)
+        return [t.view(torch.float64) if f else t for t, f in zip(staged.split(sizes), is_float)]
+
+    def _copied_to_device(self, flat: list[np.ndarray], total: int) -> torch.Tensor:
+        """One non-blocking copy of the arrays from this turn's (pinned) host buffer."""
         slot, self._next = self._next, (self._next + 1) % NUM_SLOTS
         if self._copied[slot] is not None:
             self._copied[slot].synchronize()  # the stream has run this slot's last copy
@@ -61,4 +78,4 @@ class HostStaging:
             event = torch.cuda.Event()
             event.record()
             self._copied[slot] = event
-        return [t.view(torch.float64) if f else t for t, f in zip(staged.split(sizes), is_float)]
+        return staged

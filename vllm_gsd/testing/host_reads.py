@@ -16,8 +16,8 @@ What counts as a device tensor (provenance, tracked by a `TorchFunctionMode`):
   batch's device tensors: on the CPU vLLM makes them the host tensors themselves, so the
   counter gives each a view of its own, same storage, that it can tell apart), what vLLM's
   `async_tensor_h2d` returns (the CPU runner's keeps host tensors; on a GPU a non-blocking copy
-  from pinned memory), and tensors made with a device argument that names the accelerator
-  (below);
+  from pinned memory), what our `HostStaging.stage` returns (the same, engine/staging.py),
+  and tensors made with a device argument that names the accelerator (below);
 * anything a torch function computes from a device tensor (views, indexing, arithmetic,
   samplers), except that an in-place op or a copy leaves its destination what it was.
 
@@ -334,6 +334,11 @@ class _WorkerCounting:
 
         scorer.walk_tree = acceptance._walk_tree_torch
         scorer.HOST_DEVICE_TYPES = ()
+        # On the CPU a stage's tensors are host arrays; on a GPU they arrive by one pinned,
+        # non-blocking copy (engine/staging.py): device tensors, no wait.
+        from vllm_gsd.engine import staging
+
+        staging.STAGED_HOOKS.append(self.counter.mark)
         for name in ("execute_model", "sample_tokens", "take_draft_token_ids"):
             setattr(worker, name, self._counted(getattr(worker, name), starts_step=name == "execute_model"))
         self._patch_synchronize()
