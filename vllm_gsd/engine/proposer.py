@@ -50,13 +50,13 @@ from vllm_gsd.engine.drafter.children import Children, Vocabulary, draft_childre
 from vllm_gsd.engine.drafter.choose import Candidate, CandidateChooser, tokens_left
 from vllm_gsd.engine.drafter.feedback import observe_verified
 from vllm_gsd.engine.drafter.forward_metadata import DraftForward, forward_inputs, level_forwards
-from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.engine.drafter.grow import grow_levels, start_graph, verification_tree
 from vllm_gsd.engine.lookup import LookupAccuracy
 from vllm_gsd.engine.lookup import warm_up as warm_up_lookup
 from vllm_gsd.engine.metrics import GsdStats
 from vllm_gsd.engine.rank_consistency import check_same_on_all_ranks, tree_fingerprint
 from vllm_gsd.engine.scorer import rows_per_chunk
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot
 from vllm_gsd.graph import Frontier, GraphBuilder, VerificationTree, warm_up
 
@@ -245,6 +245,8 @@ class GsdProposer(DraftModelProposer):
                                    self.max_num_tokens, self.device)
             sorted_hidden = torch.cat([self._forward(batch, fwd, attention, np.arange(sum(map(len, fwd.token_ids))),
                                                      stats) for fwd, attention in level.forwards])
+            if (level.order == np.arange(level.order.size)).all():  # the frontier was grouped already
+                return sorted_hidden
             hidden = torch.empty_like(sorted_hidden)  # back to the frontier's order
             (order,) = self.staging.stage([level.order])
             hidden[order] = sorted_hidden

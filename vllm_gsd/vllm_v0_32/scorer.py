@@ -20,10 +20,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from vllm.utils.platform_utils import is_pin_memory_available
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler
 from vllm.v1.sample.sampler import Sampler
-from vllm.utils.platform_utils import is_pin_memory_available
 
 from vllm_gsd.engine.sampling import processed_scores
 from vllm_gsd.engine.scorer import KeyedRoots, score_trees
