@@ -1,8 +1,7 @@
 """Request options with trees: each is honoured exactly, and a request carrying it is verified
 as a tree (penalties, bad words, allowed token ids, logit bias, min_p, min_tokens, repetition
-detection, logprobs and logprob token ids, extra_args, a grammar) or, where a tree cannot honour it, served without one
-(the thinking budget). Sampled options (min_p) are tested for their distribution in
-test_gsd_sampling.py.
+detection, logprobs and logprob token ids, extra_args, a grammar, the thinking budget). Sampled
+options (min_p) are tested for their distribution in test_gsd_sampling.py.
 
 Every option test compares a gsd engine with the target alone on the same batch, with the
 option, AND checks that the option changes the target's output on that batch: an option the
@@ -35,10 +34,10 @@ def _params(**option):
     return SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "ignore_eos": True, **option})
 
 
-def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, trees=True, **plain_option):
+def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, **plain_option):
     """The option's requests, then plain ones, in one batch: gsd gives the target's tokens, and
     the option's requests differ from the same requests without it. With trees on every step,
-    every request with the option was verified as a tree (`trees`) or as none."""
+    every request with the option was verified as a tree."""
     from vllm_gsd.testing.engines import acceptance_of
 
     with_option = [_params(**option)] * len(prompts) + [_params()] * len(prompts)
@@ -51,10 +50,8 @@ def _served_exactly_beside_trees(engines, gsd_engine, prompts, option, trees=Tru
     assert want[:len(prompts)] != unchanged, f"{option} does not change this batch's output: the test cannot fail"
     if gsd_engine == "gsd":
         verified = [acceptance_of([o]) for o in outputs[:len(prompts)]]
-        if trees:  # verified as trees, and the draft, proposing under the option, had nodes accepted
-            assert all(steps for steps, _ in verified) and sum(a for _, a in verified) > 0, verified
-        else:
-            assert not any(steps for steps, _ in verified), verified
+        # Verified as trees, and the draft, proposing under the option, had nodes accepted.
+        assert all(steps for steps, _ in verified) and sum(a for _, a in verified) > 0, verified
 
 
 @pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
@@ -94,28 +91,31 @@ def test_min_tokens_holds_back_a_stop_token(engines, tokenizer, gsd_engine):
 
 
 @pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
-def test_thinking_budget_ends_thinking_on_the_budgeted_row(engines, tokenizer, gsd_engine):
+def test_thinking_budget_ends_thinking_on_the_budgeted_rows(engines, tokenizer, gsd_engine):
     """Requests that start inside a thinking section (the prompt ends with the start marker):
-    the budgeted ones, at batch rows 1 and 3, are forced to the end marker after the budget, the
-    others at rows 0 and 2 think on. A gsd engine has speculative tokens configured, so vLLM's
-    thinking-budget state lays rows out per draft token unless told each row is one request's."""
+    the budgeted ones (3 and 6 tokens), at batch rows 1 and 3, are forced to the end marker, the
+    others at rows 0 and 2 think on. The budgeted requests are verified as
+    trees (of depth 4: the forced row falls inside one), each row with vLLM's thinking-budget
+    state after its own path."""
     from vllm_gsd.testing.engines import TEST_REASONING, acceptance_of
 
     start = tokenizer(TEST_REASONING["reasoning_start_str"], add_special_tokens=False)["input_ids"]
     end = tokenizer(TEST_REASONING["reasoning_end_str"], add_special_tokens=False)["input_ids"]
     prompts = [{"prompt_token_ids": p["prompt_token_ids"] + start} for p in token_prompts(tokenizer, TEXTS)]
-    budgeted, plain = _params(max_tokens=16, thinking_token_budget=3), _params(max_tokens=16)
-    params = [plain, budgeted, plain, budgeted]
+    plain = _params(max_tokens=16)
+    params = [plain, _params(max_tokens=16, thinking_token_budget=3), plain,
+              _params(max_tokens=16, thinking_token_budget=6)]
     outputs = engines.get(gsd_engine).generate(prompts, params, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outputs]
     want = token_ids(engines.get("target"), prompts, params)
     assert got == want
-    # The thinking budget's state follows a chain of drafts: its requests get no tree.
     if gsd_engine == "gsd":
-        assert [acceptance_of([o])[0] > 0 for o in outputs] == [True, False, True, False]
-    ends = [any(out[i:i + len(end)] == end for i in range(len(out))) for out in want]
+        assert all(steps for steps, _ in (acceptance_of([o]) for o in outputs))
+        assert acceptance_of([outputs[1], outputs[3]])[1] > 0
     unbudgeted = token_ids(engines.get("target"), prompts, plain)
-    assert [want[1], want[3]] != [unbudgeted[1], unbudgeted[3]] and ends[1] and ends[3]
+    for row in (1, 3):
+        ends = [i for i in range(len(want[row])) if want[row][i:i + len(end)] == end]
+        assert want[row] != unbudgeted[row] and ends, (row, want[row], unbudgeted[row])
 
 
 @pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
@@ -213,3 +213,26 @@ def test_structured_output_is_served_exactly_with_trees(engines, tokenizer, gsd_
         verified = [acceptance_of([o]) for o in got]
         assert sum(steps for steps, _ in verified[:4]) > 0 and sum(a for _, a in verified[:4]) > 0, verified
         assert all(steps > 0 for steps, _ in verified[4:]), verified
+
+
+def test_the_draft_proposes_under_the_grammar(engines, tokenizer):
+    """The draft's children of a structured-output request are tokens its grammar allows after
+    their path (the worker's copy of the grammar): more of its nodes are accepted than when it
+    drafts without the grammar, and the output is the target's either way."""
+    from vllm_gsd.testing.engines import acceptance_of
+
+    prompts = token_prompts(tokenizer, TEXTS)
+    params = [_structured(json=JSON_SCHEMA)] * 4
+    want = token_ids(engines.get("target"), prompts, params)
+    llm = engines.get("gsd")
+    acceptance = {}
+    try:
+        for under_grammar in (False, True):
+            llm.collective_rpc("gsd_test_draft_under_grammars", args=(under_grammar,))
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outputs] == want
+            steps, accepted = acceptance_of(outputs)
+            acceptance[under_grammar] = accepted / steps
+    finally:
+        llm.collective_rpc("gsd_test_draft_under_grammars", args=(True,))
+    assert acceptance[True] > acceptance[False], acceptance

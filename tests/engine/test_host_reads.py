@@ -3,7 +3,7 @@ stream, counted on the CPU by provenance (vllm_gsd/testing/host_reads.py). Figur
 docs/results/host-reads.md.
 
 One engine at a time, each for a few steps: a target without speculation, then a gsd engine
-with trees forced (its plain steps from requests the tree path refuses, a thinking budget, so
+with trees forced (its plain steps from prompts at the context limit, where no tree fits, so
 that both engines run the same requests).
 """
 
@@ -13,7 +13,7 @@ import gc
 
 import pytest
 
-from vllm_gsd.testing.engines import TEST_REASONING, gsd_config, greedy_params, make_llm, token_prompts
+from vllm_gsd.testing.engines import MAX_MODEL_LEN, NODE_BUDGET, gsd_config, greedy_params, make_llm, token_prompts
 from vllm_gsd.testing.host_reads import HOST_READ_PROBES, step_reads
 from vllm_gsd.testing.prompts import tiny_prompts
 
@@ -45,20 +45,26 @@ def _run(llm, prompts, params):
     return [list(o.outputs[0].token_ids) for o in outputs], step_reads(llm.collective_rpc("gsd_test_host_reads")[0])
 
 
+def _at_context_limit(prompts):
+    """The prompts, repeated up to where no tree of NODE_BUDGET nodes fits before the context
+    limit at any of their MAX_TOKENS steps: a gsd engine decodes them plainly."""
+    length = MAX_MODEL_LEN - NODE_BUDGET + 1  # a root at length - 1 or later: its last node at the limit
+    return [{"prompt_token_ids": (p["prompt_token_ids"] * length)[:length]} for p in prompts]
+
+
 @pytest.fixture(scope="module")
 def counted(tiny_models, tokenizer):
     """{engine: {workload: (token ids, steps)}}: each engine started, counted, shut down."""
     prompts = token_prompts(tokenizer, tiny_prompts(4))
-    workloads = {"refused": greedy_params(MAX_TOKENS, thinking_token_budget=1000),
-                 "greedy": greedy_params(MAX_TOKENS), "sampled": _sampled_params()}
+    workloads = {"at_context_limit": (_at_context_limit(prompts), greedy_params(MAX_TOKENS)),
+                 "greedy": (prompts, greedy_params(MAX_TOKENS)), "sampled": (prompts, _sampled_params())}
     results = {}
     for name, spec in (("plain", None), ("gsd", gsd_config(tiny_models["perturbed"]))):
-        llm = make_llm(tiny_models["target"], spec, reasoning_config=TEST_REASONING,
-                       worker_extension_cls=HOST_READ_PROBES)
+        llm = make_llm(tiny_models["target"], spec, worker_extension_cls=HOST_READ_PROBES)
         try:
             llm.collective_rpc("gsd_test_count_host_reads")
-            chosen = workloads if spec is not None else {k: workloads[k] for k in ("refused", "greedy")}
-            results[name] = {w: _run(llm, prompts, params) for w, params in chosen.items()}
+            chosen = workloads if spec is not None else {k: workloads[k] for k in ("at_context_limit", "greedy")}
+            results[name] = {w: _run(llm, *workload) for w, workload in chosen.items()}
         finally:
             llm.llm_engine.engine_core.shutdown()
             del llm
@@ -73,14 +79,14 @@ def _decode(steps, drafted: bool):
 def test_plain_steps_of_a_gsd_engine_add_no_reads(counted):
     """A step the tree path does not serve costs what vLLM's own step costs: no synchronize to
     time the forward (a StepTimer reads CUDA events a step late), no read of our own."""
-    plain = _decode(counted["plain"]["refused"][1], drafted=False)
-    gsd = _decode(counted["gsd"]["refused"][1], drafted=False)
+    plain = _decode(counted["plain"]["at_context_limit"][1], drafted=False)
+    gsd = _decode(counted["gsd"]["at_context_limit"][1], drafted=False)
     assert len(plain) >= MAX_TOKENS - 2 and len(gsd) >= MAX_TOKENS - 2
     baseline = max(s.total for s in plain)
     assert all(s.total <= baseline for s in gsd), [(s.reads, s.h2d, s.stalls) for s in gsd]
     assert all(not s.stalls for s in gsd)
     # The tree path's engine gives the target's tokens, plain steps or drafted ones.
-    assert counted["gsd"]["refused"][0] == counted["plain"]["refused"][0]
+    assert counted["gsd"]["at_context_limit"][0] == counted["plain"]["at_context_limit"][0]
     assert counted["gsd"]["greedy"][0] == counted["plain"]["greedy"][0]
 
 

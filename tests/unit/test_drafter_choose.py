@@ -53,12 +53,11 @@ STEP = [
     dict(id="prefill", computed=0, tokens=40, params=GREEDY, outputs=0, blocks=3),  # a chunk: no root
     dict(id="last_token", computed=30, tokens=31, params=SamplingParams(max_tokens=5), outputs=5, blocks=3),
     dict(id="context_end", computed=96, tokens=97, params=GREEDY, outputs=60, blocks=7),  # 96 + 4 >= 100
-    dict(id="thinking", computed=30, tokens=31, params=SamplingParams(thinking_token_budget=4), outputs=2,
-         blocks=3),
+    dict(id="pooling", computed=30, tokens=31, params=None, outputs=2, blocks=3),  # generates nothing
     dict(id="few_blocks", computed=30, tokens=31, params=GREEDY, outputs=2, blocks=2),  # 30 + 4 >= 32
     dict(id="sampled", computed=40, tokens=41, params=SAMPLED, outputs=4, blocks=3),
 ]
-NUM_SCHEDULED = {"tree": 3, "prefill": 16, "last_token": 1, "context_end": 1, "thinking": 1, "few_blocks": 1,
+NUM_SCHEDULED = {"tree": 3, "prefill": 16, "last_token": 1, "context_end": 1, "pooling": 1, "few_blocks": 1,
                  "sampled": 1}
 SAMPLED_TOKENS = [[7, 8], [], [], [9], [9], [9], [9], [9]]
 

@@ -44,9 +44,25 @@ def build(params: GraphParams, batch: int, vocab: int, seed: int, quantize: bool
         frontiers.append(frontier)
         # As the engine does: the draft forward of each level reads the primary-tree words.
         assert torch.equal(builder.draft_ancestor_words, primary_words(builder.graph()))
+        check_paths_below_root(builder, frontier)
         ids, probs = random_topk(generator, frontier.request_index.numel(), vocab, params.top_k, quantize)
         builder.expand(ids, probs)
     return builder, frontiers, history
+
+
+def check_paths_below_root(builder, frontier):
+    """Each frontier row's path below its root (what the draft's options are applied after): as
+    deep as the row, ending with the row's token, each token its primary parent's child."""
+    graph = builder.graph()
+    paths = builder.paths_below_root(frontier.request_index.numpy(), frontier.node_row.numpy())
+    for b, row, depth, token, path in zip(frontier.request_index.tolist(), frontier.node_row.tolist(),
+                                          frontier.depth.tolist(), frontier.token_ids.tolist(), paths):
+        assert len(path) == (depth if row else 0)
+        node = row
+        for expected in reversed(path):
+            assert int(graph.token_ids[b, node]) == expected
+            node = int(graph.parent_row[b, node])
+        assert node == 0 and (not path or path[-1] == token)
 
 
 def out_edges(graph, b):

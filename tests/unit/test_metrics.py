@@ -64,8 +64,8 @@ def test_only_the_exporting_rank_adds_to_the_process_counters():
 
 
 def test_tree_counts_read_the_accepted_paths_once():
-    """sampling_hooks._tree_counts: the step's counters and each request's accepted count from the
-    accepted paths (a path through a merged node counts once per request)."""
+    """sampling_hooks._tree_counts: the step's counters and each request's accepted count and
+    nodes from the accepted paths (a path through a merged node counts once per request)."""
     import torch
 
     from vllm_gsd.graph import AcceptedPaths
@@ -80,7 +80,8 @@ def test_tree_counts_read_the_accepted_paths_once():
         accepted_rows=torch.tensor([[0, 2, -1, -1, -1], [0, -1, -1, -1, -1], [0, 1, 2, -1, -1], [0, 1, 3, -1, -1]]),
         output_token_ids=torch.zeros(4, 5, dtype=torch.int64),
         num_accepted=torch.tensor([1, 0, 2, 2]))
-    num_accepted, counts = _tree_counts(Tree(), accepted)
+    num_accepted, accepted_nodes, counts = _tree_counts(Tree(), accepted)
     assert num_accepted == [1, 0, 2, 2]
+    assert accepted_nodes == [[1], [], [0, 1], [0, 2]]  # node = row - 1, root first
     # request 0 accepted node 1 (row 2, merged); request 3 nodes 0 and 2 (not node 3, merged)
     assert counts == {"trees_verified": 3, "nodes_verified": 9, "accepted_nodes": 5, "paths_through_merge": 1}

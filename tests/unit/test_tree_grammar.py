@@ -114,3 +114,27 @@ def test_a_path_past_the_end_of_the_grammar_is_refused():
     rows = _rows(grammar, tokens[:3], parents[:3], [True] * 3, 5)
     assert rows[3] == set(range(VOCAB))  # after EOS the grammar is terminated: vLLM leaves the row open
     assert grammar.tokens == []
+
+
+def test_the_drafts_rows_get_the_state_after_their_path():
+    """fill_path_bitmasks, as the draft's rows use it: each row the grammar's next tokens after
+    its path; a path it refuses, or one that ends the grammar, leaves its row open; the matcher
+    is left as it was."""
+    from vllm_gsd.engine.tree_grammar import fill_path_bitmasks
+
+    grammar = ChoiceGrammar(CHOICES)
+    grammar.accept_tokens("r", [1])  # the committed output
+    paths = [[], [2], [2, 3], [4, EOS], [7], [2, 7, 3]]
+    bitmask = torch.zeros(len(paths), VOCAB, dtype=torch.bool)
+
+    def fill(row, constrained):
+        if constrained:
+            grammar.fill(bitmask, row)
+        else:
+            bitmask[row] = True
+
+    fill_path_bitmasks(grammar, "r", paths, fill)
+    rows = [set(torch.nonzero(bitmask[r]).flatten().tolist()) for r in range(len(paths))]
+    everything = set(range(VOCAB))
+    assert rows == [{2, 4}, {3}, {EOS}, everything, everything, everything]
+    assert grammar.tokens == [1]

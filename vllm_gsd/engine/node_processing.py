@@ -2,8 +2,9 @@
 row with the history of its own path.
 
 vLLM's sampler processes a request's row with the request's output so far: allowed token ids,
-bad words, min_tokens and logit_bias, then presence / frequency / repetition penalties (and, for
-a sampled row, min_p after the temperature). A tree row predicts the token after its path, so
+bad words, min_tokens and logit_bias, then presence / frequency / repetition penalties, then the
+thinking budget's forcing of the end marker (and, for a sampled row, min_p after the
+temperature). A tree row predicts the token after its path, so
 its history is the request's output tokens followed by the tokens of the row's ancestors and
 its own (row 0, the root: none). `process_rows` applies exactly that, in vLLM's order, with
 vLLM's own ops where they take a history (penalties, bad words), so every row's argmax or
@@ -18,8 +19,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+# vLLM's value for a forced token's logit (ThinkingBudgetStateHolder).
+FORCED_LOGIT = 1e9
+
+
+class PathForcing(Protocol):
+    """A request's forced tokens along its tree's paths (the thinking budget's, in the vLLM
+    adapter: vllm_v0_32/thinking_budget.py)."""
+
+    def forced_token(self, path: Sequence[int]) -> int | None:
+        """The token forced at the row after `path` (the tokens below the root), or None."""
 
 
 @dataclass(frozen=True)
@@ -37,14 +50,17 @@ class RequestOptions:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     min_p: float = 0.0
+    thinking: PathForcing | None = None  # the thinking budget's end-marker forcing
 
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def options_of(params, prompt_token_ids: Sequence[int] | None, output_token_ids: Sequence[int]) -> RequestOptions | None:
-    """The options of a request with vLLM SamplingParams `params`; None if it has none."""
+def options_of(params, prompt_token_ids: Sequence[int] | None, output_token_ids: Sequence[int],
+               thinking: PathForcing | None = None) -> RequestOptions | None:
+    """The options of a request with vLLM SamplingParams `params` (and the forcing of its
+    thinking budget, if vLLM tracks one for it); None if it has none."""
     options = RequestOptions(
         prompt_token_ids=() if prompt_token_ids is None else prompt_token_ids,
         output_token_ids=output_token_ids,
@@ -57,9 +73,10 @@ def options_of(params, prompt_token_ids: Sequence[int] | None, output_token_ids:
         min_tokens=params.min_tokens if params.min_tokens > len(output_token_ids) else 0,
         stop_token_ids=tuple(params.all_stop_token_ids or ()) if params.min_tokens > len(output_token_ids) else (),
         min_p=params.min_p,
+        thinking=thinking,
     )
     acts = (options.has_penalties or options.bad_words_token_ids or options.allowed_token_ids is not None
-            or options.logit_bias or options.min_tokens or options.min_p > 0.0)
+            or options.logit_bias or options.min_tokens or options.min_p > 0.0 or thinking is not None)
     return options if acts else None
 
 
@@ -80,7 +97,7 @@ def process_rows(logits: torch.Tensor, options: Sequence[RequestOptions | None],
     negative_infinity = float("-inf")
 
     # vLLM's order (Sampler.apply_logits_processors): allowed ids, bad words, the processors
-    # that change the argmax (min_tokens, then logit_bias), penalties.
+    # that change the argmax (min_tokens, then logit_bias), penalties, the thinking budget.
     for r in rows:
         allowed = options[r].allowed_token_ids
         if allowed is not None:
@@ -109,6 +126,10 @@ def process_rows(logits: torch.Tensor, options: Sequence[RequestOptions | None],
             _per_row([options[r].repetition_penalty for r in penalized], logits.device),
             [histories[r] for r in penalized],
         )
+    forced = [(r, options[r].thinking.forced_token(paths[r])) for r in rows if options[r].thinking is not None]
+    forced = [(r, token) for r, token in forced if token is not None]
+    if forced:
+        logits[[r for r, _ in forced], [token for _, token in forced]] = FORCED_LOGIT
     return logits
 
 

@@ -252,8 +252,12 @@ class GsdProposer(DraftModelProposer):
             hidden[order] = sorted_hidden
             return hidden
 
-        def children(hidden: torch.Tensor, request_index: np.ndarray, row_depth: np.ndarray) -> Children:
-            return self._children(hidden, stats, candidates, request_index, row_depth, vocabulary)
+        def children(hidden: torch.Tensor, request_index: np.ndarray, row_depth: np.ndarray,
+                     node_row: np.ndarray) -> Children:
+            def paths(rows: np.ndarray) -> list[list[int]]:
+                return builder.paths_below_root(request_index[rows], node_row[rows])
+
+            return self._children(hidden, stats, candidates, request_index, row_depth, vocabulary, paths)
 
         levels = grow_levels(builder, root_hidden, depth, num_plain, expand, children, self.budget, stats,
                              explore, rate_to_beat)
@@ -297,11 +301,11 @@ class GsdProposer(DraftModelProposer):
 
     def _children(self, hidden: torch.Tensor, stats: GsdStats, candidates: list[Candidate] | None = None,
                   request_index: np.ndarray | None = None, depth: np.ndarray | None = None,
-                  vocabulary: Vocabulary | None = None) -> Children:
+                  vocabulary: Vocabulary | None = None, paths=None) -> Children:
         """The draft's top_k children of each row (drafter/children.py)."""
         started = time.perf_counter()
         children = draft_children(self.draft_head, hidden, self.graph_params.top_k, self._vocab_size, candidates,
-                                  request_index, depth, vocabulary, self.staging)
+                                  request_index, depth, vocabulary, self.staging, paths)
         stats.draft_logits_us += int((time.perf_counter() - started) * 1e6)
         return children
 

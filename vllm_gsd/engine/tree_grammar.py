@@ -12,6 +12,8 @@ the breadth-first order the target verifies them; `parents[i]` is node i's paren
   useful, unlike a chain's drafts after a refused one); nodes past the last allowed one are cut.
 * `fill_tree_bitmask`: each allowed row's next tokens, the state after its path; a refused
   node's row is left open (never read).
+* `fill_path_bitmasks`: the same for any paths (the draft's rows, which choose their children
+  among the tokens the grammar allows after their path: `PathGrammar`).
 
 `grammar` is vLLM's StructuredOutputGrammar (any backend): `validate_tokens`, `accept_tokens`,
 `rollback`, `is_terminated`.
@@ -20,8 +22,19 @@ the breadth-first order the target verifies them; `parents[i]` is node i's paren
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
 
 from vllm_gsd.engine.node_processing import row_paths
+
+
+class PathGrammar(Protocol):
+    """A request's grammar as the draft sees it (the vLLM adapter's: vllm_v0_32/draft_grammar.py)."""
+
+    def mask(self, scores: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+        """Set to -inf, in each row r of scores (float32 [R, V]), the tokens the grammar refuses
+        after the committed output and then paths[r]; a row whose path it refuses is left."""
 
 
 def allowed_nodes(grammar, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
@@ -52,6 +65,22 @@ def fill_tree_bitmask(grammar, request_id: str, tokens: Sequence[int], parents: 
         if advanced:
             grammar.rollback(advanced)
     return first_row + len(tokens) + 1
+
+
+def fill_path_bitmasks(grammar, request_id: str, paths: Sequence[Sequence[int]],
+                       fill_row: Callable[[int, bool], None]) -> None:
+    """Fill row r (through `fill_row(r, constrained)`, as `fill_tree_bitmask`) with the grammar's
+    state after paths[r]; open (constrained False) where the grammar refuses the path or ends
+    with it. The matcher is left as it was."""
+    for r, path in enumerate(paths):
+        path = list(path)
+        if grammar.is_terminated() or len(grammar.validate_tokens(path)) != len(path):
+            fill_row(r, False)
+            continue
+        advanced = _advance(grammar, request_id, path)
+        fill_row(r, not grammar.is_terminated())
+        if advanced:
+            grammar.rollback(advanced)
 
 
 def _advance(grammar, request_id: str, path: Sequence[int]) -> int:

@@ -163,6 +163,18 @@ class GraphBuilder:
             path_prob=torch.from_numpy(front.path_prob),
         )
 
+    def paths_below_root(self, request_index: np.ndarray, node_row: np.ndarray) -> list[list[int]]:
+        """Per (request, graph row): the tokens of the row's primary path below the root, the
+        row's own last (the root's: [])."""
+        paths = []
+        for b, row in zip(request_index.tolist(), node_row.tolist()):
+            path = []
+            while row > 0:
+                path.append(int(self._token[b, row]))
+                row = int(self._parent[b, row])
+            paths.append(path[::-1])
+        return paths
+
     @property
     def draft_ancestor_words(self) -> torch.Tensor:
         """int32 [B, N + 1, W]: primary-tree ancestor bitmask over graph rows (a copy: the

@@ -168,6 +168,13 @@ class WorkerProbes:
 
         drafter._forward = slow_forward
 
+    def gsd_test_draft_under_grammars(self, enabled: bool) -> None:
+        """Whether this worker's draft chooses children under the requests' grammars
+        (vllm_v0_32/draft_grammar.py) for requests it meets from now on."""
+        grammars = self.model_runner.drafter.chooser.grammars
+        grammars.enabled = enabled
+        grammars.forget(list(grammars._grammars))
+
     def gsd_test_count_tree_scoring(self) -> None:
         """From now on, count the steps this worker scores through GSD's rejection sampler (the
         steps that verify trees; every other step samples as without speculation)."""

@@ -31,6 +31,7 @@ from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.graph import AcceptedPaths
 from vllm_gsd.graph.gumbel import gumbel_argmax, gumbel_noise
 from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
+from vllm_gsd.vllm_v0_32.thinking_budget import as_next_token_rows
 
 
 class _Staged:
@@ -57,10 +58,10 @@ class GsdSampler(_Staged, Sampler):
 
     def forward(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None):
         # Every row this sampler sees is one request's next token (a plain step's rows, or the
-        # roots of a tree step): vLLM's bonus-token layout. A gsd engine has speculative tokens
-        # configured, so vLLM's thinking-budget state lays its rows out per draft token unless
-        # told so, and would force the end of thinking on the wrong row.
-        return super().forward(logits, sampling_metadata, predict_bonus_token=True,
+        # roots of a tree step), as without speculation; the thinking budget's state is told so.
+        if sampling_metadata.thinking_budget_state_holder is not None:
+            as_next_token_rows(sampling_metadata.thinking_budget_state_holder)
+        return super().forward(logits, sampling_metadata, predict_bonus_token=False,
                                logprobs_mode_override=logprobs_mode_override)
 
     def sample(self, logits, sampling_metadata, logprobs_mode_override=None):

@@ -5,9 +5,11 @@ the top-k of the draft's softmax, for sampled requests the Gumbel-top-k of the d
 scores under the request's own sampling and the noise of the children's position
 (engine/sampling.py), with probabilities under the noisy softmax. A request with options the
 target's rows apply (penalties, allowed ids, logit bias, bad words, min_tokens, min_p:
-engine/node_processing.py) has its draft logits processed with them first, with its committed
-output as the history (a row's own path is left out: it decides only what is proposed, never
-what is accepted), so its children are tokens the target may pick. The LM head and its softmax run
+engine/node_processing.py) has its draft logits processed with them first, each row with the
+history the target's row after the same path has (the committed output, then the row's
+primary path below the root), so its children are tokens the target may pick there; a request
+with a grammar the draft follows (a candidate's `grammar`) has its rows masked with the
+grammar's state after their path. The LM head and its softmax run
 in row chunks (one [chunk, V] float32 copy at a time). A reduced head (engine/draft_head.py)
 scores its kept ids and the step's extra ones (`step_vocabulary`): the softmax is over those,
 and the other ids are never children.
@@ -15,6 +17,7 @@ and the other ids are never children.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -69,11 +72,12 @@ def step_vocabulary(head: DraftHead, batch: DraftBatch, candidates: list[Candida
 def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size: int,
                    candidates: list[Candidate] | None = None, request_index: np.ndarray | None = None,
                    depth: np.ndarray | None = None, vocabulary: Vocabulary | None = None,
-                   staging: HostStaging | None = None) -> Children:
+                   staging: HostStaging | None = None,
+                   paths: Callable[[np.ndarray], list[list[int]]] | None = None) -> Children:
     """The children of each row of hidden [R, H]. Row r belongs to candidates[request_index[r]]
-    at primary depth depth[r] (candidates None: every row greedy, as in a dummy run). Row
-    indices and sampling knobs reach the device through `staging` (engine/staging.py; None: a
-    pageable one)."""
+    at primary depth depth[r] (candidates None: every row greedy, as in a dummy run); paths(rows)
+    gives the given rows' tokens below their root (None: every row is a root). Row indices and
+    sampling knobs reach the device through `staging` (engine/staging.py; None: a pageable one)."""
     staging = staging or HostStaging(hidden.device, pin_memory=False)
     if vocabulary is None and getattr(head, "reduced", False):  # dummy runs: the kept ids alone
         vocabulary = Vocabulary(None, logit_columns(head.kept, None))
@@ -84,9 +88,10 @@ def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size
     if candidates is not None:
         sampled = np.asarray([candidates[b].sampling is not None for b in request_index], dtype=bool)
     chunk = rows_per_chunk(vocab_size)
-    options = np.zeros(hidden.shape[0], dtype=bool)
+    options = np.zeros(hidden.shape[0], dtype=bool)  # rows processed beyond the draft's softmax
     if candidates is not None:
-        options = np.asarray([candidates[b].options is not None for b in request_index], dtype=bool)
+        options = np.asarray([candidates[b].options is not None or candidates[b].grammar is not None
+                              for b in request_index], dtype=bool)
     for lo in range(0, hidden.shape[0], chunk):
         logits = head(hidden[lo:lo + chunk]) if columns is None else head(hidden[lo:lo + chunk], extra_ids)
         rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
@@ -96,12 +101,12 @@ def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size
         constrained = rows[~sampled[rows] & options[rows]]
         if constrained.size:
             scores = _processed(_rows(logits, constrained - lo, staging), columns, head.vocab_size, candidates,
-                                request_index[constrained])
+                                request_index[constrained], _paths_of(paths, constrained))
             tokens[constrained], probs[constrained] = top_children(scores, top_k)
         drawn = rows[sampled[rows]]
         if drawn.size:
             scores = _processed(_rows(logits, drawn - lo, staging), columns, head.vocab_size, candidates,
-                                request_index[drawn])
+                                request_index[drawn], _paths_of(paths, drawn))
             tokens[drawn], probs[drawn] = _sampled_children(scores, top_k, candidates, request_index[drawn],
                                                             depth[drawn], staging)
     return Children(tokens, probs)
@@ -115,15 +120,28 @@ def _rows(logits: torch.Tensor, index: np.ndarray, staging: HostStaging) -> torc
     return logits[staging.stage([index])[0]]
 
 
+def _paths_of(paths: Callable[[np.ndarray], list[list[int]]] | None, rows: np.ndarray):
+    """The rows' paths below their roots, read when a row's options need them."""
+    return (lambda: [[] for _ in rows]) if paths is None else (lambda: paths(rows))
+
+
 def _processed(logits: torch.Tensor, columns: torch.Tensor | None, vocab_size: int, candidates: list[Candidate],
-               request_index: np.ndarray) -> torch.Tensor:
+               request_index: np.ndarray, row_paths: Callable[[], list[list[int]]]) -> torch.Tensor:
     """float32 [R, vocab_size]: rows of a (reduced) head's logits over the whole vocabulary (the
-    noise, the sampling knobs and the options index it), with each request's options applied."""
+    noise, the sampling knobs and the options index it), with each request's options applied
+    after each row's path (`row_paths()`), then its grammar's mask after that path."""
     scores = widen(logits, columns, vocab_size) if columns is not None else logits
     row_options = [candidates[b].options for b in request_index]
-    if all(o is None for o in row_options):
+    grammars = {b: candidates[b].grammar for b in np.unique(request_index) if candidates[b].grammar is not None}
+    if all(o is None for o in row_options) and not grammars:
         return scores
-    processed = process_rows(scores.to(torch.float32, copy=True), row_options, [[]] * len(row_options))
+    paths = row_paths()
+    processed = process_rows(scores.to(torch.float32, copy=True), row_options, paths)
+    for b, grammar in grammars.items():
+        rows = np.flatnonzero(request_index == b)
+        masked = processed[rows]
+        grammar.mask(masked, [paths[r] for r in rows])
+        processed[rows] = masked
     # A row its options leave nothing in (say, allowed ids the head does not score) keeps the
     # draft's own scores: its children will not be accepted, but they are well defined.
     empty = torch.isneginf(processed).all(dim=-1)

@@ -5,7 +5,9 @@ that grow a tree (eligible by engine/eligibility.py, not finishing, with room fo
 the target's and the draft's context limits and inside the blocks the scheduler allocated) and
 how many other requests decode this step. Per request it keeps where the draft's KV is valid
 (engine/draft_kv.py): a new or resumed request counts only the prefix-cache blocks the draft
-itself wrote; `advance` moves it to the roots once the draft has caught up.
+itself wrote; `advance` moves it to the roots once the draft has caught up. A candidate carries
+what its children are chosen under: its sampling, its options and, where the chooser is given
+the draft's grammars (`grammars`, the vLLM adapter's), its grammar.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from vllm_gsd.engine.drafter.batch import DraftBatch
 from vllm_gsd.engine.eligibility import tree_refusal_reason
 from vllm_gsd.engine.node_processing import RequestOptions, options_of
 from vllm_gsd.engine.sampling import is_sampled, noise_key
+from vllm_gsd.engine.tree_grammar import PathGrammar
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -47,6 +50,9 @@ class Candidate:
     # What the target's rows will apply beyond temperature, top-k and top-p (penalties, allowed
     # ids, logit bias, ...): the children are chosen under it too (drafter/children.py).
     options: RequestOptions | None = None
+    # The grammar the target's rows are masked with (a structured-output request), as far as the
+    # draft can follow it: its children are tokens it allows.
+    grammar: PathGrammar | None = None
 
 
 @dataclass(frozen=True)
@@ -67,11 +73,16 @@ class CandidateChooser:
         self.progress: dict[str, DraftProgress] = {}  # per request: where its draft KV is valid
         self._ledger: DraftKvLedger | None = None  # made once the block size is known
         self._refusals_logged: set[str] = set()
+        # The draft's grammars: grammars.of(req_id, params, output_token_ids) -> PathGrammar |
+        # None, grammars.forget(req_ids). None: children are chosen without grammars.
+        self.grammars = None
 
     def forget(self, finished_req_ids) -> None:
         for req_id in finished_req_ids:
             self.progress.pop(req_id, None)
             self._refusals_logged.discard(req_id)
+        if self.grammars is not None:
+            self.grammars.forget(finished_req_ids)
 
     def choose(self, batch: DraftBatch, scheduler_output, valid_sampled_token_ids: list[list[int]]) -> Chosen:
         resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids
@@ -99,7 +110,7 @@ class CandidateChooser:
             # The root is run again when the draft already holds it: its logits are needed.
             candidates.append(Candidate(i, req_id, min(progress.known, root_pos), root_pos,
                                         self._sampling_of(req_id, batch.sampling_params[i]),
-                                        _options_of(batch, i)))
+                                        _options_of(batch, i), self._grammar_of(batch, i)))
         return Chosen(candidates, num_plain)
 
     def advance(self, batch: DraftBatch, candidates: list[Candidate]) -> None:
@@ -138,6 +149,15 @@ class CandidateChooser:
         allocated = int(block_table.num_blocks_per_row[batch_row]) * block_table.block_size
         last_slot = root_pos + self.node_budget
         return last_slot < self.draft_max_model_len and last_slot < allocated
+
+
+    def _grammar_of(self, batch: DraftBatch, batch_row: int) -> PathGrammar | None:
+        params = batch.sampling_params[batch_row]
+        if self.grammars is None or params is None or params.structured_outputs is None:
+            return None
+        num_tokens = int(batch.num_tokens_no_spec[batch_row])
+        output = batch.token_ids[batch_row, num_tokens - batch.num_output_tokens[batch_row]:num_tokens]
+        return self.grammars.of(batch.req_ids[batch_row], params, output)
 
 
 def _options_of(batch: DraftBatch, batch_row: int) -> RequestOptions | None:

@@ -48,12 +48,13 @@ def start_graph(params: GraphParams, batch: DraftBatch, candidates: list[Candida
 
 def grow_levels(builder: GraphBuilder, root_hidden: torch.Tensor, depth: int, num_plain: int,
                 expand: Callable[[GraphBuilder, Frontier], torch.Tensor],
-                children: Callable[[torch.Tensor, np.ndarray, np.ndarray], Children],
+                children: Callable[[torch.Tensor, np.ndarray, np.ndarray, np.ndarray], Children],
                 budget: AdaptiveBudget | None, stats: GsdStats, explore: bool = False,
                 rate_to_beat: float | None = None) -> int:
     """Draft the graph from the roots' hidden states [R, H]: at most `depth` forwards, the
     catch-up the first; expand(builder, frontier) runs a level's forwards and returns the hidden
-    states of the frontier's rows; children(hidden, request_index, depth) their children.
+    states of the frontier's rows; children(hidden, request_index, depth, node_row) their
+    children (node_row: each row's graph row, 0 the root's).
     Returns the forwards drafted (the catch-up included)."""
     policy = budget.policy if budget is not None else None
     num_requests = root_hidden.shape[0]
@@ -74,9 +75,11 @@ def grow_levels(builder: GraphBuilder, root_hidden: torch.Tensor, depth: int, nu
                 policy.observe_forward(level, num_rows, num_requests)
         if level == 0:
             rows_request, rows_depth = np.arange(num_requests), np.zeros(num_requests, np.int64)
+            rows_node = rows_depth
         else:
             rows_request, rows_depth = frontier.request_index.numpy(), frontier.depth.numpy()
-        top = children(frontier_hidden, rows_request, rows_depth)
+            rows_node = frontier.node_row.numpy()
+        top = children(frontier_hidden, rows_request, rows_depth, rows_node)
         if policy is not None:
             policy.observe_children(level, top.probs.numpy())
         builder.expand(top.tokens, top.probs)

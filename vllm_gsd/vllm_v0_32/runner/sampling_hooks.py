@@ -31,7 +31,8 @@ def wrap_sample(original):
             output = original(self, logits, spec_decode_metadata)
             scored = time.perf_counter()
             tree = spec_decode_metadata.tree
-            num_accepted, counts = _tree_counts(tree, output.accepted)
+            num_accepted, accepted_paths, counts = _tree_counts(tree, output.accepted)
+            _commit_thinking(tree, accepted_paths)
             counted = time.perf_counter()
             _compact_target_kv(self, tree, output.accepted, max(num_accepted, default=0))
             self.gsd.metrics.add(verify_us=int((scored - started) * 1e6),
@@ -44,8 +45,9 @@ def wrap_sample(original):
     return _sample
 
 
-def _tree_counts(tree: TreeBatch, accepted) -> tuple[list[int], dict[str, int]]:
-    """Each request's accepted node count and GSD's verification counters for one step.
+def _tree_counts(tree: TreeBatch, accepted) -> tuple[list[int], list[list[int]], dict[str, int]]:
+    """Each request's accepted node count, its accepted nodes (indices, root first) and GSD's
+    verification counters for one step.
 
     One device-to-host read: each request's accepted count beside its accepted rows, stacked
     (the merge lookup of the accepted paths then runs on the host's `via_merge`)."""
@@ -53,16 +55,21 @@ def _tree_counts(tree: TreeBatch, accepted) -> tuple[list[int], dict[str, int]]:
     host = torch.cat([accepted.num_accepted.reshape(-1, 1).to(torch.int64),
                       accepted.accepted_rows.to(torch.int64)], dim=1).tolist()
     num_accepted = [row[0] for row in host]
+    # accepted_rows[b] is [0, row of the first accepted node, ...]: node = row - 1.
+    accepted_nodes = [[row - 1 for row in host[b][2:num_accepted[b] + 2]] for b in range(len(host))]
     trees = [b for b, n in enumerate(num_nodes) if n]
-    through_merge = 0
-    for b in trees:
-        a = num_accepted[b]
-        if a:
-            path = torch.tensor(host[b][2:a + 2], dtype=torch.int64) - 1
-            through_merge += bool(tree.via_merge[b, path].any())
-    return num_accepted, {"trees_verified": len(trees), "nodes_verified": sum(num_nodes),
+    through_merge = sum(bool(tree.via_merge[b, accepted_nodes[b]].any()) for b in trees if accepted_nodes[b])
+    return num_accepted, accepted_nodes, {"trees_verified": len(trees), "nodes_verified": sum(num_nodes),
                           "accepted_nodes": sum(num_accepted[b] for b in trees),
                           "paths_through_merge": through_merge}
+
+
+def _commit_thinking(tree: TreeBatch, accepted_nodes: list[list[int]]) -> None:
+    """Requests with a thinking budget: vLLM's state as the target alone leaves it after the
+    accepted path (vllm_v0_32/thinking_budget.py)."""
+    for b, options in enumerate(tree.options):
+        if options is not None and options.thinking is not None:
+            options.thinking.commit(tree.draft_token_ids[b, accepted_nodes[b]].tolist())
 
 
 def _compact_target_kv(runner, tree: TreeBatch, accepted, max_accepted: int) -> None:

@@ -43,6 +43,7 @@ def wrap_runner_init(original):
         from vllm.distributed import get_tensor_model_parallel_rank
 
         from vllm_gsd.engine.proposer import GsdProposer
+        from vllm_gsd.vllm_v0_32.draft_grammar import DraftGrammars
         from vllm_gsd.vllm_v0_32.scorer import GsdRejectionSampler, GsdSampler
 
         # vLLM's runner knows no "gsd"; its draft_model set-up (drafter slot, sampler, buffers
@@ -59,6 +60,7 @@ def wrap_runner_init(original):
             _check_vllm_attributes(self)
             self.drafter = GsdProposer(vllm_config, self.device, self, self.gsd.tree_slot)
             self.drafter.metrics = self.gsd.metrics
+            self.drafter.chooser.grammars = DraftGrammars(vllm_config)
             self.sampler = GsdSampler(logprobs_mode=self.sampler.logprobs_mode,
                                       use_fp64_gumbel=self.sampler.use_fp64_gumbel)
             self.rejection_sampler = GsdRejectionSampler(self.sampler, spec, self.device)

@@ -33,6 +33,7 @@ from vllm_gsd.engine.sampling import is_sampled, noise_key
 from vllm_gsd.engine.tree_batch import TreeBatch, build_tree_batch, chain_trees
 from vllm_gsd.vllm_v0_32.runner.state import is_gsd_runner
 from vllm_gsd.vllm_v0_32.spec_decode import TreeSpecDecodeMetadata
+from vllm_gsd.vllm_v0_32.thinking_budget import PathThinking
 
 
 def wrap_prepare_inputs(original):
@@ -207,7 +208,8 @@ def _verification_trees(runner, scheduler_output, num_scheduled_tokens: np.ndarr
         params = state.sampling_params
         if is_sampled(params):
             keys[i] = noise_key(req_id, params, runner.vllm_config.model_config.seed)
-        options[i] = options_of(params, state.prompt_token_ids, state.output_token_ids)
+        thinking = PathThinking.of(batch.thinking_budget_state_holder, i, state.output_token_ids)
+        options[i] = options_of(params, state.prompt_token_ids, state.output_token_ids, thinking)
     if rotated_rows:  # one copy for the whole batch, rows and positions together
         rows_and_positions = np.stack([np.concatenate(rotated_rows), np.concatenate(rotated_positions)])
         rows, positions = _to_device(rows_and_positions, runner.positions.device)
