@@ -113,9 +113,19 @@ def test_thinking_budget_ends_thinking_on_the_budgeted_rows(engines, tokenizer, 
         assert all(steps for steps, _ in (acceptance_of([o]) for o in outputs))
         assert acceptance_of([outputs[1], outputs[3]])[1] > 0
     unbudgeted = token_ids(engines.get("target"), prompts, plain)
+    ends = {}
     for row in (1, 3):
-        ends = [i for i in range(len(want[row])) if want[row][i:i + len(end)] == end]
-        assert want[row] != unbudgeted[row] and ends, (row, want[row], unbudgeted[row])
+        ends[row] = [i for i in range(len(want[row])) if want[row][i:i + len(end)] == end]
+        assert want[row] != unbudgeted[row] and ends[row], (row, want[row], unbudgeted[row])
+    # Sampled: the walk draws each row after the forcing, so the end marker comes where the
+    # budget puts it (the count of thinking tokens, not their values), here as for greedy.
+    sampled = _params(max_tokens=16, thinking_token_budget=3, temperature=0.8, seed=1)
+    drawn = engines.get(gsd_engine).generate(prompts[1:2], sampled, use_tqdm=False)[0]
+    tokens = list(drawn.outputs[0].token_ids)
+    first_end = ends[1][0]
+    assert tokens[first_end:first_end + len(end)] == end and tokens[:first_end] != want[1][:first_end], tokens
+    if gsd_engine == "gsd":
+        assert acceptance_of([drawn])[0] > 0
 
 
 @pytest.mark.parametrize("gsd_engine", GSD_ENGINES)
