@@ -74,6 +74,7 @@ def fill_path_bitmasks(grammar, request_id: str, paths: Sequence[Sequence[int]],
     with it. The matcher is left as it was."""
     for r, path in enumerate(paths):
         path = list(path)
+        # Validated first: vLLM's backends log an error for every token accept_tokens refuses.
         if grammar.is_terminated() or len(grammar.validate_tokens(path)) != len(path):
             fill_row(r, False)
             continue

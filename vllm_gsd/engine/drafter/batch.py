@@ -39,6 +39,13 @@ class DraftBatch:
     def num_reqs(self) -> int:
         return len(self.req_ids)
 
+    def prompt_and_output(self, batch_row: int) -> tuple[np.ndarray, np.ndarray]:
+        """The request's prompt tokens and its committed output (views, drafts left out)."""
+        num_tokens = int(self.num_tokens_no_spec[batch_row])
+        num_prompt = num_tokens - self.num_output_tokens[batch_row]
+        tokens = self.token_ids[batch_row]
+        return tokens[:num_prompt], tokens[num_prompt:num_tokens]
+
     def block_ids(self, batch_row: int) -> np.ndarray:
         """int32 [num blocks]: the KV blocks allocated to the request at `batch_row`."""
         return self.block_table.block_table.np[batch_row, :self.block_table.num_blocks_per_row[batch_row]]

@@ -155,19 +155,14 @@ class CandidateChooser:
         params = batch.sampling_params[batch_row]
         if self.grammars is None or params is None or params.structured_outputs is None:
             return None
-        num_tokens = int(batch.num_tokens_no_spec[batch_row])
-        output = batch.token_ids[batch_row, num_tokens - batch.num_output_tokens[batch_row]:num_tokens]
-        return self.grammars.of(batch.req_ids[batch_row], params, output)
+        return self.grammars.of(batch.req_ids[batch_row], params, batch.prompt_and_output(batch_row)[1])
 
 
 def _options_of(batch: DraftBatch, batch_row: int) -> RequestOptions | None:
     params = batch.sampling_params[batch_row]
     if params is None:
         return None
-    num_tokens = int(batch.num_tokens_no_spec[batch_row])
-    num_prompt = num_tokens - batch.num_output_tokens[batch_row]
-    tokens = batch.token_ids[batch_row]
-    return options_of(params, tokens[:num_prompt], tokens[num_prompt:num_tokens])
+    return options_of(params, *batch.prompt_and_output(batch_row))
 
 
 def tokens_left(batch: DraftBatch, candidates: list[Candidate]) -> float:
