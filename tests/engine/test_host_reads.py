@@ -30,7 +30,21 @@ MAX_TOKENS = 12
 DRAFTED_STEP_BOUNDS = {  # workload: ((a, b), (c, d))
     "greedy": ((1, 2), (1, 2)),  # seen: L 3: 5 reads, 5 calls; L 4: 6, 6
     "sampled": ((1, 2), (1, 2)),  # seen: L 3: 5 reads, 5 calls; L 4: 6, 6
+    # Requests with options (penalties, min_p, logit bias, bad words; sampled and greedy): their
+    # rows, the target's and the draft's, are processed with each row's path, from staged arrays.
+    "options": ((1, 2), (1, 2)),
 }
+
+
+def _options_params():
+    """Sampled and greedy requests whose options change their rows along each path."""
+    from vllm import SamplingParams
+
+    common = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [SamplingParams(temperature=0.8, seed=0, repetition_penalty=1.3, min_p=0.05, **common),
+            SamplingParams(temperature=0.7, seed=1, presence_penalty=0.8, logit_bias={30: 1.5}, **common),
+            SamplingParams(temperature=0.0, frequency_penalty=0.5, bad_words=[" self"], **common),
+            SamplingParams(temperature=0.0, repetition_penalty=1.2, logit_bias={11: -2.0}, **common)]
 
 
 def _sampled_params():
@@ -57,7 +71,8 @@ def counted(tiny_models, tokenizer):
     """{engine: {workload: (token ids, steps)}}: each engine started, counted, shut down."""
     prompts = token_prompts(tokenizer, tiny_prompts(4))
     workloads = {"at_context_limit": (_at_context_limit(prompts), greedy_params(MAX_TOKENS)),
-                 "greedy": (prompts, greedy_params(MAX_TOKENS)), "sampled": (prompts, _sampled_params())}
+                 "greedy": (prompts, greedy_params(MAX_TOKENS)), "sampled": (prompts, _sampled_params()),
+                 "options": (prompts, _options_params())}
     results = {}
     for name, spec in (("plain", None), ("gsd", gsd_config(tiny_models["perturbed"]))):
         llm = make_llm(tiny_models["target"], spec, worker_extension_cls=HOST_READ_PROBES)
@@ -90,7 +105,7 @@ def test_plain_steps_of_a_gsd_engine_add_no_reads(counted):
     assert counted["gsd"]["greedy"][0] == counted["plain"]["greedy"][0]
 
 
-@pytest.mark.parametrize("workload", ["greedy", "sampled"])
+@pytest.mark.parametrize("workload", ["greedy", "sampled", "options"])
 def test_drafted_steps_stay_within_the_recorded_reads(counted, workload):
     drafted = [s for s in counted["gsd"][workload][1] if s.decode and s.drafted]
     assert drafted, "no drafted step: the tree path did not run"

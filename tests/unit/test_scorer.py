@@ -178,10 +178,11 @@ def _reference_walk(logits, start, parents, tokens, key, base, temperature, top_
 @pytest.mark.parametrize("truncation", ["none", "top_k_top_p", "options"])
 def test_the_sampled_walk_reads_nothing_on_a_device_and_walks_as_on_the_cpu(monkeypatch, seed, truncation):
     """The sampled walk on random trees: on a device (the counter's device tensors, the GPU's
-    branch) it runs every level masked and reads nothing (requests with options: one read a
-    level, their rows' paths); on the CPU it visits only walks still going. Both emit, request
+    branch) it runs every level masked and reads nothing (requests with options too: each
+    level's rows are processed before the walk picks its own); on the CPU it visits only walks
+    still going. Both emit, request
     by request, what a plain row-by-row walk with each position's noise emits."""
-    from vllm_gsd.engine import scorer
+    from vllm_gsd.engine import scorer, staging
     from vllm_gsd.engine.node_processing import RequestOptions
     from vllm_gsd.engine.staging import HostStaging
     from vllm_gsd.engine.tree_batch import build_tree_batch
@@ -224,6 +225,8 @@ def test_the_sampled_walk_reads_nothing_on_a_device_and_walks_as_on_the_cpu(monk
         row_target = torch.full((batch, parent_row.shape[1] + 1), -1, dtype=torch.int64)
         counter = HostReadCounter()
         counter.step = StepReads()
+        # What the staging returns is on the device, as on a GPU (a non-blocking copy).
+        monkeypatch.setattr(staging, "STAGED_HOOKS", [counter.mark])
         with counter:
             counter.mark([row_target, logits, metadata.temperature, metadata.top_k, metadata.top_p])
             scorer.walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draft_token_ids, tree,
@@ -234,7 +237,8 @@ def test_the_sampled_walk_reads_nothing_on_a_device_and_walks_as_on_the_cpu(monk
     on_device, device_reads = walk(on_device=True)
     on_cpu, _ = walk(on_device=False)
     levels = int(depth[walkers].max()) + 1
-    assert device_reads.num_reads == (levels if truncation == "options" else 0), device_reads.reads
+    # Nothing waits: no read, no pageable copy, options or not (depth + 1 = `levels` levels).
+    assert device_reads.total == 0, (levels, device_reads.reads, device_reads.h2d)
     assert torch.equal(on_device.output_token_ids[walkers], on_cpu.output_token_ids[walkers])
     for b in walkers.tolist():
         n = int(num_nodes[b])

@@ -92,9 +92,15 @@ def top_children(logits: torch.Tensor, k: int, columns: torch.Tensor | None = No
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 [R, k], probs float32 [R, k]), CPU, descending: the k most likely tokens of
     each row of logits [R, C] under their softmax; column c is token columns[c] (None: token c)."""
-    top_probs, top_columns = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    top_columns, top_probs = read_children(top_columns, top_probs)
-    return (top_columns if columns is None else columns[top_columns]), top_probs
+    found_columns, found_probs = read_children(*top_columns(logits, k))
+    return (found_columns if columns is None else columns[found_columns]), found_probs
+
+
+def top_columns(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(columns int64 [R, k], probs float32 [R, k]) on logits' device, descending: the k most
+    likely columns of each row of logits [R, C] under their softmax."""
+    top_probs, top_cols = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return top_cols, top_probs
 
 
 def read_children(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,9 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Protocol
 
+import numpy as np
 import torch
+
+from vllm_gsd.engine.staging import HostStaging
 
 # vLLM's value for a forced token's logit (ThinkingBudgetStateHolder).
 FORCED_LOGIT = 1e9
@@ -81,56 +85,107 @@ def options_of(params, prompt_token_ids: Sequence[int] | None, output_token_ids:
 
 
 def process_rows(logits: torch.Tensor, options: Sequence[RequestOptions | None],
-                 paths: Sequence[Sequence[int]]) -> torch.Tensor:
+                 paths: Sequence[Sequence[int]], staging: HostStaging | None = None) -> torch.Tensor:
     """float32 [R, V]: `logits` (float32 [R, V], changed in place) with each row r processed for
     `options[r]` (its request's; None: left as it is) after the tokens `paths[r]` (the row's
     path below the root). Temperature and min_p, which only sampled rows take, are not applied
-    here (`min_p_of_rows`)."""
+    here (`min_p_of_rows`). The options' token ids and values reach the device in one stage of
+    `staging` (engine/staging.py; None: a pageable one): on a GPU the host does not wait."""
     from vllm.v1.sample.ops.bad_words import apply_bad_words
     from vllm.v1.sample.ops.penalties import apply_all_penalties
 
     rows = [r for r, o in enumerate(options) if o is not None]
     if not rows:
         return logits
+    staging = staging or HostStaging(logits.device, pin_memory=False)
     histories = {r: [*options[r].output_token_ids, *paths[r]] for r in rows}
-    vocab_size = logits.shape[-1]
+    plan = _RowPlan.of(options, rows, histories, paths, logits.shape[-1])
+    staged = plan.staged(staging)
     negative_infinity = float("-inf")
 
     # vLLM's order (Sampler.apply_logits_processors): allowed ids, bad words, the processors
     # that change the argmax (min_tokens, then logit_bias), penalties, the thinking budget.
-    for r in rows:
-        allowed = options[r].allowed_token_ids
-        if allowed is not None:
-            refused = torch.ones(vocab_size, dtype=torch.bool, device=logits.device)
-            refused[list(allowed)] = False
-            logits[r].masked_fill_(refused, negative_infinity)
+    if plan.allowed_rows.size:  # every id but the allowed ones to -inf: keep those, fill, put back
+        allowed_logits = logits[staged.allowed_pairs]
+        logits[staged.allowed_rows] = negative_infinity
+        logits[staged.allowed_pairs] = allowed_logits
     bad_words = {r: [list(word) for word in options[r].bad_words_token_ids]
                  for r in rows if options[r].bad_words_token_ids}
     if bad_words:
         past = [histories.get(r, []) for r in range(logits.shape[0])]
-        apply_bad_words(logits, bad_words, past)
-    for r in rows:
-        o = options[r]
-        if o.min_tokens and len(histories[r]) < o.min_tokens and o.stop_token_ids:
-            logits[r, list(o.stop_token_ids)] = negative_infinity
-        if o.logit_bias:
-            tokens = torch.tensor(list(o.logit_bias), dtype=torch.int64, device=logits.device)
-            logits[r, tokens] += torch.tensor(list(o.logit_bias.values()), dtype=torch.float32, device=logits.device)
-    penalized = [r for r in rows if options[r].has_penalties]
-    if penalized:
+        apply_bad_words(logits, bad_words, past)  # slices: no copy from the host
+    if plan.stopped[0].size:
+        logits[staged.stopped] = negative_infinity
+    if plan.biased[0].size:
+        logits[staged.biased] += staged.bias
+    if plan.penalized:
+        penalized = staged.penalized
         logits[penalized] = apply_all_penalties(
-            logits[penalized],
-            _padded_prompts([options[r].prompt_token_ids for r in penalized], vocab_size, logits.device),
-            _per_row([options[r].presence_penalty for r in penalized], logits.device),
-            _per_row([options[r].frequency_penalty for r in penalized], logits.device),
-            _per_row([options[r].repetition_penalty for r in penalized], logits.device),
-            [histories[r] for r in penalized],
-        )
-    forced = [(r, options[r].thinking.forced_token(paths[r])) for r in rows if options[r].thinking is not None]
-    forced = [(r, token) for r, token in forced if token is not None]
-    if forced:
-        logits[[r for r, _ in forced], [token for _, token in forced]] = FORCED_LOGIT
+            logits[penalized], staged.prompts, staged.presence, staged.frequency, staged.repetition,
+            [histories[r] for r in plan.penalized])
+    if plan.forced[0].size:
+        logits[staged.forced] = FORCED_LOGIT
     return logits
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """process_rows' host arrays: the rows and (row, token) pairs each option touches."""
+
+    allowed_rows: np.ndarray  # rows with allowed ids
+    allowed: tuple[np.ndarray, np.ndarray]  # (row, token) of each allowed id
+    stopped: tuple[np.ndarray, np.ndarray]  # stop tokens min_tokens holds back
+    biased: tuple[np.ndarray, np.ndarray]
+    bias: np.ndarray  # float, one per biased pair
+    forced: tuple[np.ndarray, np.ndarray]  # the thinking budget's end marker
+    penalized: list[int]
+    prompts: np.ndarray  # [len(penalized), P], padded with the vocabulary size (vLLM's layout)
+    penalties: tuple[np.ndarray, np.ndarray, np.ndarray]  # presence, frequency, repetition
+
+    @classmethod
+    def of(cls, options, rows, histories, paths, vocab_size: int) -> _RowPlan:
+        allowed = [(r, options[r].allowed_token_ids) for r in rows if options[r].allowed_token_ids is not None]
+        stopped = [(r, options[r].stop_token_ids) for r in rows
+                   if options[r].min_tokens and len(histories[r]) < options[r].min_tokens]
+        biased = [(r, options[r].logit_bias) for r in rows if options[r].logit_bias]
+        forced = [(r, options[r].thinking.forced_token(paths[r])) for r in rows if options[r].thinking is not None]
+        penalized = [r for r in rows if options[r].has_penalties]
+        prompts = [options[r].prompt_token_ids for r in penalized]
+        padded = np.full((len(prompts), max((len(p) for p in prompts), default=0)), vocab_size, dtype=np.int64)
+        for i, prompt in enumerate(prompts):
+            padded[i, :len(prompt)] = prompt
+        return cls(
+            allowed_rows=np.asarray([r for r, _ in allowed], dtype=np.int64),
+            allowed=_pairs(allowed),
+            stopped=_pairs(stopped),
+            biased=_pairs([(r, list(bias)) for r, bias in biased]),
+            bias=np.asarray([b for _, bias in biased for b in bias.values()], dtype=np.float64),
+            forced=_pairs([(r, [token]) for r, token in forced if token is not None]),
+            penalized=penalized,
+            prompts=padded,
+            penalties=tuple(np.asarray([getattr(options[r], name) for r in penalized], dtype=np.float64)
+                            for name in ("presence_penalty", "frequency_penalty", "repetition_penalty")),
+        )
+
+    def staged(self, staging: HostStaging) -> SimpleNamespace:
+        """The arrays on the device: one stage."""
+        (allowed_rows, allowed_row, allowed_token, stopped_row, stopped_token, biased_row, biased_token, bias,
+         forced_row, forced_token, penalized, prompts, presence, frequency, repetition) = staging.stage(
+            [self.allowed_rows, *self.allowed, *self.stopped, *self.biased, self.bias, *self.forced,
+             np.asarray(self.penalized, dtype=np.int64), self.prompts, *self.penalties])
+        return SimpleNamespace(
+            allowed_rows=allowed_rows, allowed_pairs=(allowed_row, allowed_token),
+            stopped=(stopped_row, stopped_token), biased=(biased_row, biased_token), bias=bias.to(torch.float32),
+            forced=(forced_row, forced_token), penalized=penalized, prompts=prompts.view(self.prompts.shape),
+            presence=presence.to(torch.float32), frequency=frequency.to(torch.float32),
+            repetition=repetition.to(torch.float32))
+
+
+def _pairs(row_tokens) -> tuple[np.ndarray, np.ndarray]:
+    """(row, token) index arrays of [(row, tokens), ...]."""
+    row = [r for r, tokens in row_tokens for _ in tokens]
+    token = [t for _, tokens in row_tokens for t in tokens]
+    return np.asarray(row, dtype=np.int64), np.asarray(token, dtype=np.int64)
 
 
 def row_paths(parent_row: Sequence[int], tokens: Sequence[int]) -> list[list[int]]:
@@ -143,20 +198,7 @@ def row_paths(parent_row: Sequence[int], tokens: Sequence[int]) -> list[list[int
     return paths
 
 
-def min_p_of_rows(options: Sequence[RequestOptions | None], device) -> torch.Tensor | None:
-    """float32 [R]: each row's min_p (0: none), or None if no row has one."""
-    values = [o.min_p if o is not None else 0.0 for o in options]
-    return torch.tensor(values, dtype=torch.float32, device=device) if any(values) else None
-
-
-def _padded_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, device) -> torch.Tensor:
-    """int64 [R, P]: prompts padded with vocab_size, as vLLM's input batch lays them out."""
-    width = max((len(p) for p in prompts), default=0)
-    padded = torch.full((len(prompts), width), vocab_size, dtype=torch.int64)
-    for i, prompt in enumerate(prompts):
-        padded[i, :len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
-    return padded.to(device)
-
-
-def _per_row(values: list[float], device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+def min_p_of_rows(options: Sequence[RequestOptions | None], staging: HostStaging) -> torch.Tensor | None:
+    """float32 [R]: each row's min_p (0: none) on `staging`'s device, or None if no row has one."""
+    values = np.asarray([o.min_p if o is not None else 0.0 for o in options], dtype=np.float64)
+    return staging.stage([values])[0].to(torch.float32) if values.any() else None

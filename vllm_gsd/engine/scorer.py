@@ -154,7 +154,7 @@ def fill_node_rows(row_target, logits, num_draft, row_start, parent_row, depth, 
         row_logits = logits[rows_on_device]  # vLLM's greedy pick, no fp32 copy without options
         options = paths.options(requests)
         if any(o is not None for o in options):
-            row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, local))
+            row_logits = process_rows(row_logits.to(torch.float32), options, paths.of(requests, local), staging)
         row_target[requests_on_device, local_on_device] = row_logits.argmax(dim=-1)
     walkers = torch.nonzero((counts > 0) & sampled).squeeze(1)
     if walkers.numel():
@@ -178,9 +178,10 @@ def walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draf
     A walk at level d is at a depth-d row (a child is one deeper than its parent), whose noise
     key is (request key, tree_base + d + 1): the host knows every level's noise without knowing
     which row a walk is at. So on a device the walk runs the trees' depth + 1 levels, stopped
-    walks masked, with no read; only requests with options (penalties, bad words: their rows
-    are processed with the row's path, engine/node_processing.py) need each level's rows on
-    the host, one read a level.
+    walks masked, with no read. Requests with options (penalties, bad words: each row processed
+    with its own path, engine/node_processing.py) have every depth-d row processed at level d
+    (`LevelRows`), which the walk then picks its row from: no read either. On the CPU, where
+    reading is free, only the rows walked are processed.
     """
     device = logits.device
     vocab = logits.shape[-1]
@@ -202,7 +203,10 @@ def walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draf
     temperature = sampling_metadata.temperature[requests]
     top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[requests]
     top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[requests]
-    min_p = min_p_of_rows(options, device)
+    min_p = min_p_of_rows(options, staging)
+    level_rows = None
+    if any_options and not visit_only_active:
+        level_rows = LevelRows(logits, walkers, row_start, depth[walkers], is_node, options, paths, staging)
     current = torch.zeros(num_walkers, dtype=torch.int64, device=device)  # row of each walk
     active = torch.ones(num_walkers, dtype=torch.bool, device=device)
     for level in range(int(depth[walkers].max()) + 1):
@@ -211,15 +215,15 @@ def walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draf
             if sel.numel() == 0:
                 break
             host_sel = sel.numpy()
-            sel_options = [options[i] for i in host_sel]
         else:
             sel = host_sel = slice(None)
-            sel_options = options
         rows = current[sel]
         row_logits = logits[first_row[sel] + rows]
-        if any_options:
-            row_logits = process_rows(row_logits.to(torch.float32), sel_options,
-                                      paths.of(walkers[sel], rows.cpu()))
+        if level_rows is not None:
+            row_logits = level_rows.processed(level, row_logits, rows)
+        elif any_options:  # on the CPU: the rows walked, their paths read
+            row_logits = process_rows(row_logits.to(torch.float32), [options[i] for i in host_sel],
+                                      paths.of(walkers[sel], rows), staging)
         scores = processed_scores(row_logits, temperature[sel], None if top_k is None else top_k[sel],
                                   None if top_p is None else top_p[sel], None if min_p is None else min_p[sel])
         noise = gumbel_noise(keys[host_sel], tree_base[host_sel] + level + 1, vocab, device)
@@ -230,3 +234,52 @@ def walk_sampled(row_target, logits, walkers, row_start, parent_row, depth, draf
         found = still & is_child.any(1)
         current[sel] = torch.where(found, is_child.int().argmax(1) + 1, rows)
         active[sel] = found
+
+
+class LevelRows:
+    """The rows of walks with options, processed a level at a time without reading where a walk
+    is: at level d a walk is at one of its depth-d rows, so all of them are processed (each with
+    its path, as the greedy rows are) and each walk takes its own by a device-side lookup.
+    Processed in chunks of at most `rows_per_chunk` rows, the float32 copies bounded as
+    fill_node_rows's are."""
+
+    def __init__(self, logits, walkers, row_start, walker_depth, is_node, options, paths: PathsOfRows,
+                 staging: HostStaging):
+        self._logits, self._staging = logits, staging
+        self._options = options
+        self._walkers, self._row_start = walkers, row_start
+        self._depth = torch.where(is_node, walker_depth, -1)  # [W, max_nodes], host
+        self._paths = paths
+        self._chunk = rows_per_chunk(logits.shape[-1])
+
+    def processed(self, level: int, row_logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 [W, V]: row_logits (each walk's current row, `rows` its local index) with the
+        rows of walks with options replaced by their processed copies."""
+        walk, local = self._level_rows(level)
+        out = row_logits.to(torch.float32)
+        if walk.size == 0:
+            return out
+        num_walkers, width = self._depth.shape[0], self._depth.shape[1] + 1
+        for lo in range(0, walk.size, self._chunk):
+            chunk_walk, chunk_local = walk[lo:lo + self._chunk], local[lo:lo + self._chunk]
+            # slot[w, r]: the chunk's index of walk w's row r, or -1.
+            slot = np.full((num_walkers, width), -1, dtype=np.int64)
+            slot[chunk_walk, chunk_local] = np.arange(chunk_walk.size)
+            requests = self._walkers[torch.from_numpy(chunk_walk)]
+            logit_rows, slot_on_device = self._staging.stage(
+                [self._row_start[requests].numpy() + chunk_local, slot])
+            processed = process_rows(self._logits[logit_rows].to(torch.float32),
+                                     [self._options[w] for w in chunk_walk],
+                                     self._paths.of(requests, torch.from_numpy(chunk_local)), self._staging)
+            index = slot_on_device.view(num_walkers, width).gather(1, rows[:, None]).squeeze(1)
+            out = torch.where((index >= 0)[:, None], processed[index.clamp(min=0)], out)
+        return out
+
+    def _level_rows(self, level: int) -> tuple[np.ndarray, np.ndarray]:
+        """(walk, local row) of every depth-`level` row of walks with options (level 0: roots)."""
+        with_options = np.asarray([o is not None for o in self._options])
+        if level == 0:
+            walk = np.flatnonzero(with_options)
+            return walk, np.zeros_like(walk)
+        walk, node = np.nonzero((self._depth == level).numpy() & with_options[:, None])
+        return walk, node + 1

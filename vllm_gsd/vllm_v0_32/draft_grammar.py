@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+from vllm_gsd.engine.staging import HostStaging
 from vllm_gsd.engine.tree_grammar import fill_path_bitmasks
 
 
@@ -94,7 +95,9 @@ class RequestGrammar:
                 return False
         return True
 
-    def mask(self, scores: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+    def mask(self, scores: torch.Tensor, paths: Sequence[Sequence[int]], staging: HostStaging) -> None:
+        """-inf in scores [len(paths), V] wherever the grammar, after each row's path, refuses
+        the token; the bitmask reaches the device through `staging` (engine/staging.py)."""
         import xgrammar
 
         grammar = self._request.structured_output_request.grammar
@@ -108,5 +111,6 @@ class RequestGrammar:
                 bitmask[row].fill_(open_row)
 
         fill_path_bitmasks(grammar, self._req_id, paths, fill_row)
-        xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device),
+        (staged,) = staging.stage([bitmask.numpy()])  # int32 words travel as int64: back to int32
+        xgrammar.apply_token_bitmask_inplace(scores, staged.to(bitmask.dtype).view(bitmask.shape),
                                              vocab_size=min(scores.shape[-1], bitmask.shape[-1] * 32))

@@ -68,11 +68,11 @@ class GsdSampler(_Staged, Sampler):
         keyed = self.keyed
         if keyed is None or not keyed.rows or max(keyed.rows) >= logits.shape[0]:
             return super().sample(logits, sampling_metadata, logprobs_mode_override)
-        (rows,) = self.staging(logits.device).stage([np.asarray(keyed.rows)])
+        min_p = np.asarray(keyed.min_p, dtype=np.float64)
+        rows, min_p_rows = self.staging(logits.device).stage([np.asarray(keyed.rows), min_p])
         top_k, top_p = sampling_metadata.top_k, sampling_metadata.top_p
         # Before vLLM's sampler, which processes the logits in place.
-        min_p = (torch.tensor(keyed.min_p, dtype=torch.float32, device=logits.device)
-                 if any(keyed.min_p) else None)
+        min_p = min_p_rows.to(torch.float32) if min_p.any() else None
         scores = processed_scores(logits[rows], sampling_metadata.temperature[rows],
                                   None if top_k is None else top_k[rows], None if top_p is None else top_p[rows],
                                   min_p)

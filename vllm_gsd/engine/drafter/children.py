@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from vllm_gsd.engine.draft_head import DraftHead, logit_columns, read_children, top_children, widen
+from vllm_gsd.engine.draft_head import DraftHead, logit_columns, read_children, top_columns, widen
 from vllm_gsd.engine.drafter.batch import DraftBatch
 from vllm_gsd.engine.drafter.choose import Candidate
 from vllm_gsd.engine.node_processing import min_p_of_rows, process_rows
@@ -95,20 +95,28 @@ def draft_children(head: DraftHead, hidden: torch.Tensor, top_k: int, vocab_size
     for lo in range(0, hidden.shape[0], chunk):
         logits = head(hidden[lo:lo + chunk]) if columns is None else head(hidden[lo:lo + chunk], extra_ids)
         rows = np.arange(lo, min(lo + chunk, hidden.shape[0]))
+        # Each group's top k stays on the device; the chunk's children are read once.
+        groups: list[tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = []
         greedy = rows[~sampled[rows] & ~options[rows]]
         if greedy.size:
-            tokens[greedy], probs[greedy] = top_children(_rows(logits, greedy - lo, staging), top_k, columns)
+            groups.append((greedy, top_columns(_rows(logits, greedy - lo, staging), top_k)))
         constrained = rows[~sampled[rows] & options[rows]]
         if constrained.size:
             scores = _processed(_rows(logits, constrained - lo, staging), columns, head.vocab_size, candidates,
-                                request_index[constrained], _paths_of(paths, constrained))
-            tokens[constrained], probs[constrained] = top_children(scores, top_k)
+                                request_index[constrained], _paths_of(paths, constrained), staging)
+            groups.append((constrained, top_columns(scores, top_k)))
         drawn = rows[sampled[rows]]
         if drawn.size:
             scores = _processed(_rows(logits, drawn - lo, staging), columns, head.vocab_size, candidates,
-                                request_index[drawn], _paths_of(paths, drawn))
-            tokens[drawn], probs[drawn] = _sampled_children(scores, top_k, candidates, request_index[drawn],
-                                                            depth[drawn], staging)
+                                request_index[drawn], _paths_of(paths, drawn), staging)
+            groups.append((drawn, _sampled_children(scores, top_k, candidates, request_index[drawn], depth[drawn],
+                                                    staging)))
+        order = np.concatenate([group_rows for group_rows, _ in groups])
+        chunk_tokens, chunk_probs = read_children(torch.cat([t for _, (t, _) in groups]),
+                                                  torch.cat([p for _, (_, p) in groups]))
+        if columns is not None and greedy.size:  # the greedy rows' are logit columns: their ids
+            chunk_tokens[:greedy.size] = columns[chunk_tokens[:greedy.size]]
+        tokens[order], probs[order] = chunk_tokens, chunk_probs
     return Children(tokens, probs)
 
 
@@ -126,7 +134,8 @@ def _paths_of(paths: Callable[[np.ndarray], list[list[int]]] | None, rows: np.nd
 
 
 def _processed(logits: torch.Tensor, columns: torch.Tensor | None, vocab_size: int, candidates: list[Candidate],
-               request_index: np.ndarray, row_paths: Callable[[], list[list[int]]]) -> torch.Tensor:
+               request_index: np.ndarray, row_paths: Callable[[], list[list[int]]],
+               staging: HostStaging) -> torch.Tensor:
     """float32 [R, vocab_size]: rows of a (reduced) head's logits over the whole vocabulary (the
     noise, the sampling knobs and the options index it), with each request's options applied
     after each row's path (`row_paths()`), then its grammar's mask after that path."""
@@ -136,21 +145,22 @@ def _processed(logits: torch.Tensor, columns: torch.Tensor | None, vocab_size: i
     if all(o is None for o in row_options) and not grammars:
         return scores
     paths = row_paths()
-    processed = process_rows(scores.to(torch.float32, copy=True), row_options, paths)
+    processed = process_rows(scores.to(torch.float32, copy=True), row_options, paths, staging)
     for b, grammar in grammars.items():
         rows = np.flatnonzero(request_index == b)
-        masked = processed[rows]
-        grammar.mask(masked, [paths[r] for r in rows])
-        processed[rows] = masked
+        (index,) = staging.stage([rows])
+        masked = processed[index]
+        grammar.mask(masked, [paths[r] for r in rows], staging)
+        processed[index] = masked
     # A row its options leave nothing in (say, allowed ids the head does not score) keeps the
     # draft's own scores: its children will not be accepted, but they are well defined.
-    empty = torch.isneginf(processed).all(dim=-1)
-    processed[empty] = scores[empty].to(torch.float32)
-    return processed
+    empty = torch.isneginf(processed).all(dim=-1, keepdim=True)
+    return torch.where(empty, scores.to(torch.float32), processed)
 
 
 def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candidate], request_index: np.ndarray,
-                      depth: np.ndarray, staging: HostStaging) -> Children:
+                      depth: np.ndarray, staging: HostStaging) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, probs) on the device: the Gumbel-top-k children of sampled rows."""
     settings = [candidates[b].sampling for b in request_index]
     device, vocab = logits.device, logits.shape[-1]
     row_top_k = np.asarray([s.top_k if s.top_k > 0 else vocab for s in settings], dtype=np.int64)
@@ -160,9 +170,8 @@ def _sampled_children(logits: torch.Tensor, top_k: int, candidates: list[Candida
     scores = processed_scores(
         logits, temperature, None if (row_top_k == vocab).all() else top_k_rows,
         None if (row_top_p >= 1.0).all() else top_p_rows.to(torch.float32),
-        min_p_of_rows([candidates[b].options for b in request_index], device))
+        min_p_of_rows([candidates[b].options for b in request_index], staging))
     # Children of a depth-d row sit at position root_pos + d + 1.
     positions = np.asarray([candidates[b].root_pos for b in request_index]) + depth + 1
     noise = gumbel_noise(np.asarray([s.noise_key for s in settings]), positions, vocab, device)
-    top_tokens, top_probs = gumbel_top_k(scores, noise, top_k)
-    return Children(*read_children(top_tokens, top_probs))
+    return gumbel_top_k(scores, noise, top_k)
