@@ -149,16 +149,24 @@ def reference(query, kv_cache, batch, tree_rows_visible: bool):
 
 @pytest.fixture
 def vllm_kernel_stand_in(monkeypatch):
-    """vLLM's TritonAttentionImpl.forward, which cannot run on CPU: the causal reference."""
+    """vLLM's TritonAttentionImpl.forward, which cannot run on CPU: the causal reference over
+    the rows and the metadata it is given."""
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from vllm_gsd.kernels.graph_attention import graph_attention_ref
 
     calls = []
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args):
-        batch = attn_metadata._test_batch
         calls.append(attn_metadata)
-        causal = reference(query[:batch.num_tokens], kv_cache, batch, tree_rows_visible=False)
-        output[:batch.num_tokens] = causal.reshape(output[:batch.num_tokens].shape)
+        num_tokens, num_reqs = attn_metadata.num_actual_tokens, attn_metadata.seq_lens.shape[0]
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(HEAD_SIZE, dim=-1)
+        causal = graph_attention_ref(
+            query[:num_tokens], key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+            attn_metadata.seq_lens, torch.zeros(num_reqs, dtype=torch.int32),
+            torch.full((num_tokens,), -1, dtype=torch.int32), torch.zeros((num_reqs, 1, 1), dtype=torch.int32),
+            HEAD_SIZE ** -0.5, layout="gpu")
+        output[:num_tokens] = causal.reshape(output[:num_tokens].shape)
         return output
 
     monkeypatch.setattr(TritonAttentionImpl, "forward", forward)
@@ -169,24 +177,29 @@ KINDS = {
     # decode-shaped (no query longer than the longest tree's): the graph kernel attends every row
     "decodes": [("decode", 1), ("tree", 5), ("decode", 1), ("tree", 23), ("prefill", 3), ("tree", 1)],
     "trees only": [("tree", 9), ("tree", 33), ("tree", 2)],
-    # a prefill chunk: vLLM's kernel for every row, the tree rows attended again and written over
-    "mixed": [("prefill", 37), ("tree", 5), ("decode", 1), ("tree", 23), ("prefill", 1), ("tree", 1)],
+    # prefill chunks after the decode-shaped requests, as vLLM orders the batch for this builder
+    # (reorder_batch_threshold): the graph kernel for the leading rows, vLLM's for the chunks
+    "mixed": [("tree", 5), ("decode", 1), ("tree", 23), ("tree", 1), ("prefill", 37), ("prefill", 2)],
+    # a prefill chunk among the trees (a batch vLLM did not order): the graph kernel for every
+    # row up to the last tree, the chunk's causal rows included
+    "unordered": [("prefill", 37), ("tree", 5), ("decode", 1), ("tree", 23), ("prefill", 1), ("tree", 1)],
     "no trees": [("decode", 1), ("prefill", 11)],
 }
-WHOLE_BATCH = {"decodes": "decode step", "trees only": "draft level", "mixed": "sub-batch", "no trees": None}
+PLAN_KIND = {"decodes": "decode step", "trees only": "draft level", "mixed": "split", "unordered": "decode step",
+             "no trees": None}
 
 
 @pytest.mark.parametrize("kinds", list(KINDS), ids=list(KINDS))
 def test_tree_rows_get_the_graph_mask_and_other_rows_stay_vllms(kinds, builder, vllm_config, vllm_kernel_stand_in):
-    """Tree rows get the graph mask; rows without a tree are causal: vLLM's exactly where a
-    prefill chunk keeps vLLM's kernel in the step, the graph kernel's (close) on a decode step."""
+    """Tree rows get the graph mask; rows without a tree are causal: vLLM's exactly where its
+    kernel attends them (the prefill chunks after the decode-shaped requests), the graph
+    kernel's (close) among the trees."""
     rng = np.random.default_rng(len(kinds))
     batch = mixed_batch(rng, KINDS[kinds])
     tree = tree_attention(batch) if len(batch.tree_rows) else None
     with builder.tree_slot.holding(tree):
         metadata = builder.build(0, common_metadata(batch))
-    metadata._test_batch = batch
-    assert (metadata.tree and metadata.tree.kind) == WHOLE_BATCH[kinds]
+    assert (metadata.tree and metadata.tree.kind) == PLAN_KIND[kinds]
     kv_cache = triton_kv_cache(rng)
     query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_SIZE)
     impl = make_impl(vllm_config)
@@ -197,25 +210,36 @@ def test_tree_rows_get_the_graph_mask_and_other_rows_stay_vllms(kinds, builder, 
     causal = reference(query, kv_cache, batch, tree_rows_visible=False).reshape(output.shape)
     is_tree = torch.from_numpy(batch.query_tree_row >= 0)
     torch.testing.assert_close(output[is_tree], graph[is_tree], rtol=1e-4, atol=1e-4)
-    vllm_kernel_runs = metadata.tree is None or metadata.tree.kind == "sub-batch"
-    if vllm_kernel_runs:
-        assert torch.equal(output[~is_tree], causal[~is_tree])  # exactly what vLLM's path wrote
-    else:  # the graph kernel's causal rows (float32: the reference's to rounding)
-        torch.testing.assert_close(output[~is_tree], causal[~is_tree], rtol=1e-4, atol=1e-4)
-    assert len(vllm_kernel_stand_in) == (2 if vllm_kernel_runs else 0)
+    # vLLM's rows: all of a batch without trees, the rest's in a split, none otherwise.
+    plan = metadata.tree
+    first_vllm_row = 0 if plan is None else plan.rest[0] if plan.rest is not None else batch.num_tokens
+    vllm_rows = torch.arange(batch.num_tokens) >= first_vllm_row
+    assert torch.equal(output[vllm_rows], causal[vllm_rows])  # exactly what vLLM's path wrote
+    graph_causal = ~is_tree & ~vllm_rows  # the graph kernel's causal rows (float32: to rounding)
+    torch.testing.assert_close(output[graph_causal], causal[graph_causal], rtol=1e-4, atol=1e-4)
+    assert len(vllm_kernel_stand_in) == (2 if vllm_rows.any() else 0)
+    if kinds == "mixed":  # the prefill chunks only, and every one of them
+        assert batch.num_tokens - first_vllm_row == 37 + 2 and not is_tree[vllm_rows].any()
+
+
+def test_the_builder_has_vllm_order_decodes_first(builder):
+    """vLLM reorders a batch for a builder that asks (reorder_batch_threshold): requests of at
+    most 1 + num_speculative_tokens tokens, every tree, before the prefill chunks."""
+    assert builder.reorder_batch_threshold == builder.decode_query_len
 
 
 def test_a_decode_step_is_judged_by_vllms_decode_length(builder, monkeypatch):
-    """A step is decode-shaped when no query is longer than 1 + num_speculative_tokens (vLLM's
-    decode) or than its longest tree query; a longer one is a prefill chunk."""
+    """A request after the last tree is decode-shaped, and goes with the trees to the graph
+    kernel, when no longer than 1 + num_speculative_tokens (vLLM's decode) or than the longest
+    tree query; a longer one is a prefill chunk, vLLM's kernel's."""
     rng = np.random.default_rng(4)
-    batch = mixed_batch(rng, [("prefill", 12), ("tree", 5)])
+    batch = mixed_batch(rng, [("tree", 5), ("prefill", 12)])
     kinds = []
     for spec_tokens in (None, 11):
         monkeypatch.setattr(type(builder), "decode_query_len", property(lambda self, n=spec_tokens: 1 + (n or 0)))
         with builder.tree_slot.holding(tree_attention(batch)):
             kinds.append(builder.build(0, common_metadata(batch)).tree.kind)
-    assert kinds == ["sub-batch", "decode step"]
+    assert kinds == ["split", "decode step"]
 
 
 def test_the_plan_is_on_the_forwards_device_and_built_once(builder):
@@ -224,9 +248,9 @@ def test_the_plan_is_on_the_forwards_device_and_built_once(builder):
     planned = []
     original = type(builder).plan_tree
 
-    def counting(self, metadata, tree):
+    def counting(self, metadata, tree, common):
         planned.append(tree)
-        return original(self, metadata, tree)
+        return original(self, metadata, tree, common)
 
     type(builder).plan_tree = counting
     try:
@@ -237,8 +261,13 @@ def test_the_plan_is_on_the_forwards_device_and_built_once(builder):
         type(builder).plan_tree = original
     assert len(planned) == 1 and again.tree is None
     plan = metadata.tree
-    assert plan.token_index.device == metadata.seq_lens.device
-    assert plan.launch.query_tree_row.tolist() == batch.query_tree_row[plan.token_index.numpy()].tolist()
+    first, rest = plan.rest
+    assert plan.launch.query_tree_row.device == metadata.seq_lens.device
+    assert plan.launch.query_tree_row.tolist() == batch.query_tree_row[:first].tolist()
+    # The rest's metadata: its requests alone, their rows numbered from 0.
+    assert rest.query_start_loc.tolist() == (batch.query_start_loc[4:] - first).tolist()
+    assert rest.seq_lens.tolist() == batch.seq_lens[4:].tolist()
+    assert rest.num_actual_tokens == batch.num_tokens - first and rest.max_query_len == 37
 
 
 @pytest.mark.parametrize("feature, value, named", [
@@ -356,10 +385,11 @@ def test_plain_steps_replay_full_graphs_and_tree_steps_piecewise(vllm_config):
 
 
 def _features_config(**overrides):
-    model = SimpleNamespace(uses_mrope=False, logits_processors=None)
+    model = SimpleNamespace(uses_mrope=False, logits_processors=None, rswa_window=None)
     config = SimpleNamespace(
         model_config=model, speculative_config=SimpleNamespace(draft_model_config=model),
-        cache_config=SimpleNamespace(cache_dtype="auto", kv_offloading_size=None), kv_transfer_config=None)
+        cache_config=SimpleNamespace(cache_dtype="auto", kv_offloading_size=None), kv_transfer_config=None,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1))
     for path, value in overrides.items():
         owner, name = path.split(".") if "." in path else (None, path)
         setattr(getattr(config, owner) if owner else config, name, value)
@@ -374,6 +404,8 @@ def _features_config(**overrides):
     ({"cache_config.cache_dtype": "fp8_e4m3"}, "kv_cache_dtype='fp8_e4m3'"),
     ({"kv_transfer_config": object()}, "KV connector"),
     ({"cache_config.kv_offloading_size": 4.0}, "KV offloading"),
+    ({"model_config.rswa_window": 512}, "R-SWA"),
+    ({"parallel_config.decode_context_parallel_size": 2}, "decode context parallelism"),
 ])
 def test_engine_features_the_tree_path_lacks_are_refused_by_name(overrides, named):
     from vllm_gsd.vllm_v0_32.config_patches import _refuse_unsupported_features
@@ -531,7 +563,6 @@ def _layer_counts(kinds, builder, vllm_config, launch_counter, seed=5):
     batch = mixed_batch(rng, kinds)
     with builder.tree_slot.holding(tree_attention(batch)):
         metadata = builder.build(0, common_metadata(batch))
-    metadata._test_batch = batch
     kv_cache = triton_kv_cache(rng)
     query = torch.randn(batch.num_tokens, NUM_HEADS, HEAD_SIZE)
     impl = make_impl(vllm_config)
@@ -546,8 +577,9 @@ def _layer_counts(kinds, builder, vllm_config, launch_counter, seed=5):
     # decode step / draft level: the graph kernel alone (forward + split-K reduce), nothing else
     ("decodes", dict(launches=2, device_ops=0, triton=2, vllm=0, views=2, allocations=0)),
     ("trees only", dict(launches=2, device_ops=0, triton=2, vllm=0, views=2, allocations=0)),
-    # prefill chunk: vLLM's kernel, the gather and the scatter of the tree rows, the graph kernel
-    ("mixed", dict(launches=5, device_ops=2, triton=2, vllm=1, views=3, allocations=1)),
+    # prefill chunks after the trees: the graph kernel for the leading rows, vLLM's kernel for
+    # the chunks (views of their rows), no gather, no scatter, no copy
+    ("mixed", dict(launches=3, device_ops=0, triton=2, vllm=1, views=4, allocations=0)),
 ], ids=["decodes", "trees only", "mixed"])
 def test_launches_per_layer(kinds, expected, builder, vllm_config, vllm_kernel_stand_in, launch_counter):
     """What one attention layer puts on the device on a tree step (docs/results/launches.md),
@@ -558,8 +590,6 @@ def test_launches_per_layer(kinds, expected, builder, vllm_config, vllm_kernel_s
     got = {name: value for name, value in count.summary().items() if name in expected}
     assert got == expected, count.summary()
     assert set(count.triton) == {"_graph_attn_fwd_kernel", "_graph_attn_reduce_kernel"}
-    if kinds == "mixed":
-        assert sorted(count.device_ops) == ["index", "index_put_"]
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])

@@ -83,8 +83,14 @@ def test_each_prompt_alone_equals_the_batch(engines, tokenizer):
 
 
 def test_requests_arriving_and_finishing_mid_batch(engines, tokenizer):
-    """Requests join a running batch while others are mid-tree, and leave at their own lengths."""
+    """Requests join a running batch while others are mid-tree, and leave at their own lengths.
+    A joining request takes a leaver's batch row, among the decodes: vLLM moves it behind them
+    (the attention builders ask it to order decode-shaped requests first), as on CUDA, where the
+    graph kernel takes the leading rows."""
     prompts = token_prompts(tokenizer, CODE_PROMPTS)
+    gsd = engines.get("gsd")
+    node_budget = gsd.llm_engine.vllm_config.speculative_config.num_speculative_tokens
+    assert gsd.collective_rpc("gsd_test_count_reorders") == [1 + node_budget]
 
     def staggered(llm):
         engine = llm.llm_engine
@@ -101,7 +107,8 @@ def test_requests_arriving_and_finishing_mid_batch(engines, tokenizer):
             step += 1
         return [done[f"r{i}"] for i in range(len(prompts))]
 
-    assert staggered(engines.get("gsd")) == staggered(engines.get("target"))
+    assert staggered(gsd) == staggered(engines.get("target"))
+    assert gsd.collective_rpc("gsd_test_reorders")[0] > 0
 
 
 def test_prompt_at_the_context_limit(engines, tokenizer):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_gsd.engine.tree_batch import TreeAttention, TreeSlot, build_tree_batch, chain_trees, is_chain
+from vllm_gsd.engine.tree_batch import TreeSlot, build_tree_batch, chain_trees, is_chain
 
 # Per request: the parent row of each node (row i + 1; row 0 is the root), and its query tokens
 # this step (a tree's rows are its last n + 1; earlier ones are causal, as in a chunk).
@@ -103,20 +103,12 @@ def test_a_batch_of_tree_rows_only_covers_all_rows():
     attention = _batch([TREE, SIBLINGS], [6, 3], np.array([5, 8])).attention
     assert attention.covers_all_rows
     assert attention.query_tree_row.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2]
-    assert attention.token_index().tolist() == list(range(9))
 
 
 def test_a_batch_without_trees_plans_nothing():
     attention = _batch([PLAIN, CHAIN], [1, 4], np.array([3, 4])).attention
     assert attention.request_index.numel() == 0
     assert attention.query_tree_row.tolist() == [-1] * 5
-
-
-def test_token_index_lists_the_tree_requests_tokens():
-    attention = TreeAttention.build(np.array([1, 3]), np.array([2, 10]), np.array([3, 2]), np.array([0, 0]),
-                                    torch.zeros((2, 4, 1), dtype=torch.int32), np.full(12, -1),
-                                    torch.device("cpu"))
-    assert attention.token_index().tolist() == [2, 3, 4, 10, 11]
 
 
 def test_chain_trees_pads_each_chain():

@@ -71,11 +71,6 @@ class TreeAttention:
             covers_all_rows=bool((query_tree_row >= 0).all()),
         )
 
-    def token_index(self) -> torch.Tensor:
-        """int64 [T_tree] (host): the forward tokens of the tree requests, request by request."""
-        return torch.cat([torch.arange(s, s + n) for s, n in zip(self.query_start.tolist(),
-                                                                   self.query_len.tolist())])
-
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if torch.device(device).type == "cpu":

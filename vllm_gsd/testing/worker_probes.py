@@ -190,3 +190,24 @@ class WorkerProbes:
 
     def gsd_test_tree_scoring_calls(self) -> int:
         return self.model_runner.rejection_sampler.gsd_test_calls
+
+    def gsd_test_count_reorders(self) -> int:
+        """From now on, count the steps in which vLLM reordered this worker's batch (decode-shaped
+        requests moved before prefill chunks: the attention builders' reorder_batch_threshold);
+        returns that threshold."""
+        from vllm.v1.worker import gpu_model_runner
+
+        reorder = gpu_model_runner.reorder_batch_to_split_decodes_and_prefills
+        runner = self.model_runner
+        runner.gsd_test_reorders = 0
+
+        def counted(*args, **kwargs):
+            moved = reorder(*args, **kwargs)
+            runner.gsd_test_reorders += bool(moved)
+            return moved
+
+        gpu_model_runner.reorder_batch_to_split_decodes_and_prefills = counted
+        return runner.reorder_batch_threshold
+
+    def gsd_test_reorders(self) -> int:
+        return self.model_runner.gsd_test_reorders

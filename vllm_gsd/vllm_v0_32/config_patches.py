@@ -193,6 +193,12 @@ def _refuse_unsupported_features(vllm_config) -> None:
         refusals.append("custom logits processors (logits_processors): they act on whole batches of "
                         "rows that a verification tree lays out per node, as vLLM's own speculative "
                         "methods refuse them; serve them from an engine without speculation")
+    if getattr(vllm_config.model_config, "rswa_window", None) is not None:
+        refusals.append("the target model's R-SWA attention (rswa_window): the graph mask of tree "
+                        "rows does not implement it")
+    if vllm_config.parallel_config.decode_context_parallel_size > 1:
+        refusals.append("decode context parallelism (decode_context_parallel_size > 1): the graph "
+                        "mask reads each tree's whole KV on one rank")
     if vllm_config.cache_config.kv_offloading_size:
         refusals.append("KV offloading (kv_offloading_size): it would save the verification tree's "
                         "KV layout before GSD compacts the accepted path")

@@ -12,11 +12,12 @@ engine's shapes the buckets serving can reach are a pure function of the launche
 
 * graph attention (``kernels/graph_attention.py``), per distinct attention shape of the target's
   and the draft's layers (head counts, head size, cache block size, dtype, cache strides): the
-  forward kernel's ``BLOCK_Q`` follows the tree sub-batch's longest query, at most ``N + 1`` rows
-  (a verified tree: root + N nodes; a draft level has at most N frontier rows), and ``SPLIT_K``
-  and the reduce kernel's ``SPLITS_PAD`` follow the split heuristic, which depends on the
-  sub-batch's tokens, the longest sequence (``<= max_model_len``) and the GPU's SM count. The
-  split count is largest for a one-token sub-batch, and every smaller count is reached by a
+  forward kernel's ``BLOCK_Q`` follows the longest query of the rows it attends, at most
+  ``N + 1`` rows (a verified tree: root + N nodes; a decode beside it at most
+  1 + num_speculative_tokens = N + 1; a draft level has at most N frontier rows), and ``SPLIT_K``
+  and the reduce kernel's ``SPLITS_PAD`` follow the split heuristic, which depends on those
+  rows' tokens, the longest sequence (``<= max_model_len``) and the GPU's SM count. The
+  split count is largest for one token, and every smaller count is reached by a
   shorter sequence, so the heuristic over (one token, query hint ``q``, sequence hint ``S``) for
   ``q`` in the powers of two up to ``N + 1`` and ``S`` up to ``max_model_len`` reaches every
   bucket a served batch can (`attention_launches`);
@@ -124,7 +125,7 @@ def warm_up_attention(impl, kv_cache: torch.Tensor, launches: list[dict], block:
                 tree_base=i32([0]), query_tree_row=i32([0]), ancestor_words=i32([[[1]]]), layout="gpu")
     for hints in launches:
         launch = prepare_graph_attention(**tree, max_seq_len=hints["max_seq_len"], max_query_len=hints["max_query_len"])
-        plan = TritonTreePlan(launch=launch, token_index=None, covers_all_rows=True, kind="warm-up")
+        plan = TritonTreePlan(launch=launch, rest=None, kind="warm-up")
         impl.attend_tree(query, kv_cache, metadata, plan, output)
 
 

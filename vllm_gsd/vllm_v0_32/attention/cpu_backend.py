@@ -49,7 +49,7 @@ class GsdCpuAttentionMetadataBuilder(GraphMetadataBuilder, CPUAttentionMetadataB
         self._set_isa_to_layers(self.layer_names)
         self.packing = cpu_packing(self.isa, self.block_size, self.head_size)
 
-    def plan_tree(self, metadata: CPUAttentionMetadata, tree: TreeAttention) -> CpuTreePlan:
+    def plan_tree(self, metadata: CPUAttentionMetadata, tree: TreeAttention, common) -> CpuTreePlan:
         request_index = tree.request_index
         return plan_cpu_tree(metadata.block_table[request_index], metadata.seq_lens[request_index].tolist(),
                              tree.query_start.tolist(), tree.query_len.tolist(), tree.tree_base.tolist(),

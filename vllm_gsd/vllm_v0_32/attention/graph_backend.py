@@ -9,10 +9,11 @@ own backend with two mixins in front:
   every layer of the group reads the same plan. Without trees the plan is None.
 * `GraphAttentionImpl`: at construction, refuses the model features the graph mask does not
   implement (`graph_mask_blockers`, per platform); per forward, a layer without a plan is
-  exactly vLLM's; with one, vLLM's kernel runs for every row and `attend_tree` then overwrites
-  the tree requests' rows, unless the plan covers every row (`covers_all_rows`: the draft's
-  levels; on CUDA also a decode step, whose rows without a tree the graph kernel attends as
-  causal rows, triton_backend.py), when `attend_tree` alone writes the output.
+  exactly vLLM's; with one, vLLM's kernel runs for the rows `vllm_rows` names and `attend_tree`
+  writes the tree requests' rows: on the CPU vLLM's kernel runs for every row and the tree rows
+  are overwritten, unless the plan covers every row (`covers_all_rows`: the draft's levels);
+  on CUDA the graph kernel attends the leading decode-shaped requests, trees among them, and
+  vLLM's kernel only the prefill chunks after them (triton_backend.py).
 
 So a batch without trees is numerically vLLM's, and each platform writes only `plan_tree` and
 `attend_tree`; a layer does no planning, only `attend_tree`'s launches. Encoder and cross
@@ -49,13 +50,30 @@ class GraphMetadataBuilder:
     metadata_cls: ClassVar[type]
     tree_slot: TreeSlot | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM orders each batch decode-shaped requests first, every tree among them, prefill
+        # chunks after (its own reorder, as for FlashInfer): on CUDA the graph kernel then takes
+        # a leading run of rows (triton_backend.py); on the CPU, whose kernel is order-agnostic,
+        # the engine serves the batch order the CUDA path sees.
+        self.reorder_batch_threshold = self.decode_query_len
+
+    @property
+    def decode_query_len(self) -> int:
+        """Longest query vLLM counts as a decode (1 + num_speculative_tokens; 1 without spec)."""
+        spec = getattr(self.vllm_config, "speculative_config", None)
+        return 1 + (getattr(spec, "num_speculative_tokens", None) or 0)
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         tree = self.tree_slot.current if self.tree_slot is not None else None
         values = {f.name: getattr(metadata, f.name) for f in fields(metadata)}
-        return self.metadata_cls(**values, tree=None if tree is None else self.plan_tree(metadata, tree))
+        return self.metadata_cls(**values, tree=None if tree is None else
+                                 self.plan_tree(metadata, tree, common_attn_metadata))
 
-    def plan_tree(self, metadata, tree: TreeAttention):
+    def plan_tree(self, metadata, tree: TreeAttention, common):
+        """The platform's plan of `tree` on the forward of vLLM's `metadata` (built from
+        `common`, vLLM's CommonAttentionMetadata, whose host copies it may read)."""
         raise NotImplementedError
 
 
@@ -86,14 +104,25 @@ class GraphAttentionImpl:
                                    output_scale, output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("speculative method 'gsd': fused output quantization is not supported")
-        if not plan.covers_all_rows:
-            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        rest = self.vllm_rows(plan, attn_metadata)
+        if rest is not None:
+            first, rest_metadata = rest
+            # Views of the rest's rows (key and value: None in a layer that shares another's KV).
+            rows = [t if t is None or not first else t[first:] for t in (query, key, value, output)]
+            super().forward(layer, *rows[:3], kv_cache, rest_metadata, rows[3])
         self.attend_tree(query, kv_cache, attn_metadata, plan, output)
         return output
 
+    def vllm_rows(self, plan, metadata) -> tuple[int, object] | None:
+        """(first row, metadata) of the rows vLLM's kernel attends on this forward, or None:
+        by default all of them (`attend_tree` then overwrites the tree rows), unless the plan
+        covers every row."""
+        return None if plan.covers_all_rows else (0, metadata)
+
     def attend_tree(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata, plan,
                     output: torch.Tensor) -> None:
-        """Overwrite `output` at the tree requests' rows with graph-masked attention."""
+        """Write `output` at the tree requests' rows with graph-masked attention (and at the
+        other rows the plan gives the graph kernel, causal)."""
         raise NotImplementedError
 
 
