@@ -1,4 +1,5 @@
-"""Ray: gsd through vLLM's own Ray executor (RayExecutorV2, Ray actors as workers) on CPU.
+"""Ray: gsd through vLLM's own Ray executor (RayExecutorV2, Ray actors as workers) on CPU, and
+a rank whose drafter fails stopping the engine there as under multiprocessing.
 
 vLLM's CPU platform declares no Ray device key, so on CPU vLLM refuses Ray ("current platform
 cpu does not support ray."). The test-only platform plugin in tests/ray_cpu_platform (installed
@@ -16,12 +17,13 @@ to this cluster through RAY_ADDRESS.
 from __future__ import annotations
 
 import os
+import time
 from importlib.metadata import entry_points
 
 import pytest
 
 from vllm_gsd.testing.engines import default_gsd_config, greedy_token_ids, gsd_config, make_llm, token_prompts
-from vllm_gsd.testing.worker_probes import WORKER_PROBES, tree_counts_per_rank
+from vllm_gsd.testing.worker_probes import INJECTED_DRAFT_FAILURE, WORKER_PROBES, tree_counts_per_rank
 
 pytestmark = pytest.mark.engine
 
@@ -122,3 +124,38 @@ def test_ray_executor_gsd_equals_target(target_outputs, ray_cluster, tiny_models
     assert counts[0]["trees_verified"] > 0
     assert all(c == counts[0] for c in counts), counts
 
+
+# A hang fails here: without runner/rank_failure.py the engine waits for rank 0's reply for
+# VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s); the limit covers the engine's start on Ray.
+@pytest.mark.timeout(240)
+def test_ray_rank_whose_drafter_fails_stops_the_engine(ray_cluster, tiny_models, prompts, capfd):
+    """Rank 1's draft forward raises (out of memory) before the draft's all-reduce: Ray's
+    executor, like the multiprocessing one, hears only rank 0. Rank 1 names itself and the error
+    and ends its actor's process; the executor's worker monitor sees the actor die, kills the
+    other actors and fails the engine within seconds."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"]), tensor_parallel_size=2,
+                   distributed_executor_backend="ray", worker_extension_cls=WORKER_PROBES)
+    named = ("gsd: tensor-parallel rank 1 failed in its drafter: OutOfMemoryError: "
+             f"{INJECTED_DRAFT_FAILURE} (tensor-parallel rank 1)")
+    try:
+        assert llm.collective_rpc("gsd_test_fail_draft", args=(1,)) == [False, True]
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            greedy_token_ids(llm, prompts[:1], 8)  # trees on every step: the first step drafts
+        assert time.monotonic() - started < 30
+        # Ray relays an actor's output to its driver (the engine core) a moment after it is written.
+        deadline = time.monotonic() + 10
+        logs = ""
+        while named not in logs and time.monotonic() < deadline:
+            time.sleep(0.5)
+            captured = capfd.readouterr()
+            logs += captured.out + captured.err
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    captured = capfd.readouterr()
+    logs += captured.out + captured.err
+    assert named in logs
+    # vLLM's executor names the dead rank too: its monitor saw the actor die; no timeout ran.
+    assert "RayWorkerProc rank=[1] died unexpectedly" in logs

@@ -26,6 +26,22 @@ ranks stuck in a collective ignore SIGTERM there, so the executor kills them aft
 period (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s, then SIGTERM, then SIGKILL). Measured as
 above: rank 1 failing, generate() raised after 9 s; rank 0 failing, at once.
 
+Under Ray (distributed_executor_backend="ray", which in vLLM 0.32 is `RayExecutorV2`) the same
+holds by the same two paths. That executor is the multiprocessing one with Ray actors for worker
+processes: the same message queues, each step's reply read from the output rank only, so without
+this module a rank's error hangs the engine there too (measured: the failing step had not
+returned after a minute, when the test's timeout ended it). Its worker monitor waits on every
+actor's `run()` call (`ray.wait`), which an actor's process ending (the os._exit above) resolves
+at once; the monitor then force-kills every actor (`ray.kill`: no grace period for a rank
+spinning in a collective) and fails the engine. Measured at tp 2 on the CPU (tiny pair, the test
+platform of tests/engine/test_gsd_ray.py), rank 1's draft forward raising: generate() raised
+EngineDeadError 0.2 to 0.8 s after it began (four runs). The rank's message reaches the user
+through Ray, which relays an actor's output to its driver (the engine core), prefixed
+"(RayWorkerProc pid=...)"; beside it vLLM logs "RayWorkerProc rank=[1] died unexpectedly", and
+Ray's raylet that a worker "unexpectedly exits" with guesses at the cause (the OOM killer, a
+SIGSEGV) that do not apply: the rank's own line names it. Ray's compiled-graph executor
+(VLLM_USE_RAY_V2_EXECUTOR_BACKEND=0) is not tested.
+
 Not under it yet: the verification trees that step_hooks.py builds in `_prepare_inputs` (left to
 that file's next change), and vLLM's own work (a rank's target forward running out of memory
 hangs a plain vLLM engine the same way).
