@@ -467,7 +467,8 @@ def test_compaction_acts_on_the_caches_bound_now():
             layer.kv_cache = torch.zeros(4 if is_profiling else 8)
 
     runner = SimpleNamespace(
-        speculative_config=SimpleNamespace(method="gsd"), gsd=GsdRunnerState(),
+        speculative_config=SimpleNamespace(method="gsd"), gsd=GsdRunnerState(), device=torch.device("cuda"),
+        model_config=SimpleNamespace(enforce_eager=False),
         drafter=SimpleNamespace(_draft_attn_layer_names={"draft_model.layers.0.attn"},
                                 prepare_policy=lambda runner: None),
         compilation_config=SimpleNamespace(static_forward_context=layers))
@@ -477,6 +478,31 @@ def test_compaction_acts_on_the_caches_bound_now():
     wrapped(runner, one_group)
     assert runner.gsd.target_kv_caches == [layers["model.layers.0.attn"].kv_cache]
     assert runner.gsd.target_kv_caches[0].numel() == 8
+
+
+@pytest.mark.parametrize("device, enforce_eager, timed_at", [
+    ("cuda", False, "capture"), ("cuda", True, "kv cache"), ("cpu", False, "kv cache")])
+def test_cost_curves_are_timed_after_the_graphs_are_captured(device, enforce_eager, timed_at):
+    """The adaptive budget times its forwards where serving's graphs exist: after vLLM's
+    capture on CUDA, once the KV cache exists where nothing is captured."""
+    from vllm_gsd.vllm_v0_32.runner.setup_hooks import wrap_capture_model, wrap_initialize_kv_cache
+    from vllm_gsd.vllm_v0_32.runner.state import GsdRunnerState
+
+    events = []
+    runner = SimpleNamespace(
+        speculative_config=SimpleNamespace(method="gsd"), gsd=GsdRunnerState(), device=torch.device(device),
+        model_config=SimpleNamespace(enforce_eager=enforce_eager),
+        drafter=SimpleNamespace(_draft_attn_layer_names=set(), prepare_policy=lambda runner: events.append("timed")),
+        compilation_config=SimpleNamespace(static_forward_context={}))
+    initialize_kv_cache = wrap_initialize_kv_cache(lambda runner, config, is_profiling=False: events.append("kv"))
+    capture_model = wrap_capture_model(lambda runner: events.append("captured"))
+    one_group = SimpleNamespace(kv_cache_groups=[object()])
+    initialize_kv_cache(runner, one_group, is_profiling=True)
+    initialize_kv_cache(runner, one_group)
+    if device == "cuda" and not enforce_eager:  # vLLM's worker captures only then
+        capture_model(runner)
+    expected = {"capture": ["kv", "kv", "captured", "timed"], "kv cache": ["kv", "kv", "timed"]}[timed_at]
+    assert events == expected
 
 
 # ------------------------------------------------------------------ launches per layer (issue 39)

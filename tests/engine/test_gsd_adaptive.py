@@ -98,14 +98,31 @@ def test_many_requests_decode_plainly_then_speculate_as_they_finish(costly_gsd, 
 
 def test_measured_cost_curves_serve_exactly(tiny_models, engines, tokenizer, capfd):
     """Without a cost_curve the engine times its forwards at start-up; whatever it then decides,
-    the output is the target's."""
-    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"], **_knobs()))
+    the output is the target's. The timed forwards run as serving runs them: each dispatched by
+    its model's CUDA-graph dispatcher (the runner's, as a tree step; the drafter's) and padded to
+    the captured size it picks, the draft's through its persistent buffers (graph sizes as on
+    CUDA, the padded batches run eagerly on the CPU)."""
+    from vllm_gsd.testing.worker_probes import WORKER_PROBES
+
+    llm = make_llm(tiny_models["target"], gsd_config(tiny_models["perturbed"], **_knobs()),
+                   worker_extension_cls=WORKER_PROBES)
+    sizes = [4, 8, 16, 48]
     try:
         prompts = _tiny_token_prompts(tokenizer, 6)
         got, _ = _run(llm, prompts, greedy_params(32))
+        logs = capfd.readouterr()  # the start-up's
+        (timed,) = llm.collective_rpc("gsd_test_time_cost_curves", args=(sizes,))  # serves nothing after
     finally:
         llm.llm_engine.engine_core.shutdown()
-    logs = capfd.readouterr()
+    for model in ("target", "draft"):
+        tokens = [q for q, _ in timed[model]]
+        assert all(seconds > 0 for _, seconds in timed[model]) and tokens[0] == 1 and tokens[-1] > max(sizes)
+        dispatched = {q: (padded, mode) for q, padded, mode in timed["dispatches"][model]}
+        assert set(dispatched) == set(tokens), (model, dispatched)
+        for q, (padded, mode) in dispatched.items():  # the next captured size; past the largest, eager
+            assert (padded, mode) == ((min(s for s in sizes if s >= q), "PIECEWISE") if q <= max(sizes)
+                                      else (q, "NONE")), (model, q, padded, mode)
+    assert {tuple(pair) for pair in timed["draft_inputs"]} == {(q, p) for q, p, _ in timed["dispatches"]["draft"]}
     assert got == token_ids(engines.get("target"), prompts, greedy_params(32))
     # The worker (one, at tp 1) timed the target's and the draft's forwards before serving, as
     # engine/cost_calibration.py logs it; an engine given its curves times nothing.

@@ -1,11 +1,19 @@
 """Cost curves for the adaptive node budget: seconds of a target / draft forward by query tokens.
 
 `budget_cost_curves(runner, proposer, configured)` returns the curves given in the `gsd` block
-(`cost_curve`), or measures them once, after the KV cache exists: each model runs forwards of
-one request of q new tokens after `CONTEXT_TOKENS` cached ones (weights, attention through the
-model's own backend, and the logits of every row), in scratch KV blocks before any request
-exists, at a few q; the best time of each is kept. Beyond `MAX_MEASURED_TOKENS` the curve is
-extended linearly. On CUDA every timed forward is synchronized (start-up only).
+(`cost_curve`), or measures them once, after vLLM's warm-up (its CUDA graphs captured): each
+model runs forwards of one request of q new tokens after `CONTEXT_TOKENS` cached ones (weights,
+attention through the model's own backend, and the logits of every row), in scratch KV blocks
+before any request exists, at a few q; the best time of each is kept. Beyond
+`MAX_MEASURED_TOKENS` the curve is extended linearly. On CUDA every timed forward is
+synchronized (start-up only).
+
+Each timed forward runs as the step it stands for does (`Forwarder`): dispatched by the model's
+own CUDA-graph dispatcher (the runner's for the target, as a tree step: never the FULL graph of
+a uniform decode; the drafter's for the draft), padded to the captured size it picks, from the
+persistent input buffers the graphs were captured on, its padding rows writing no KV. So on a
+GPU the curves time piecewise graph replays, as serving runs them; on the CPU, where vLLM
+captures none, the dispatchers run every forward eagerly at its own size.
 
 `StepTimer` times each step's target forward while serving, without synchronizing.
 
@@ -19,11 +27,14 @@ import collections
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.spec_decode.utils import PADDING_SLOT_ID
+
 
 from vllm_gsd.engine import LOGGER_NAME
 from vllm_gsd.policy import CostCurve
@@ -51,16 +62,79 @@ def budget_cost_curves(runner, proposer, configured) -> tuple[CostCurve, CostCur
     block_size = runner.input_batch.block_table[proposer.kv_cache_gid].block_size
     target_groups = [group for groups in runner.attn_groups for group in groups]
     started = time.perf_counter()
-    target = _measure(runner.model, runner.model.compute_logits, runner.vllm_config, runner.device, tokens,
-                      _Scratch(target_groups, block_size, context))
-    # The draft's head as the drafter runs it (engine/draft_head.py).
-    draft = _measure(proposer.model, proposer.draft_head, proposer.vllm_config, proposer.device, tokens,
+    target = _measure(Forwarder.of_runner(runner), tokens, _Scratch(target_groups, block_size, context))
+    draft = _measure(Forwarder.of_drafter(proposer), tokens,
                      _Scratch(proposer.draft_attn_groups, block_size, context))
     target, draft = _from_rank_zero(runner, (target, draft))
     logger.info("gsd: adaptive node budget, measured in %.1f s: target forward %s, draft forward %s "
                 "(seconds by query tokens)", time.perf_counter() - started,
                 _describe(tokens, target), _describe(tokens, draft))
     return CostCurve(tuple(tokens), tuple(target)), CostCurve(tuple(tokens), tuple(draft))
+
+
+@dataclass(frozen=True)
+class Forwarder:
+    """How a model's forwards run while serving: its CUDA-graph dispatch, and how a forward of a
+    dispatched (padded) size gets its inputs into the persistent buffers its graphs were
+    captured on, and its padding rows slots that write no KV."""
+
+    model: Callable
+    head: Callable  # the logits of hidden states [q, H] (the target's, or the draft's head)
+    vllm_config: object
+    device: torch.device
+    dispatch: Callable  # num_tokens -> (CUDAGraphMode, BatchDescriptor): its padded size
+    inputs: Callable  # (positions [q], padded size) -> (input_ids, positions) [padded]
+    slots: Callable  # (padded size, slots [q]) -> {layer name: slots [padded]}
+
+    @classmethod
+    def of_runner(cls, runner) -> Forwarder:
+        """The target as a tree step runs it: a batch that is not a uniform decode (PIECEWISE
+        where vLLM captured graphs), its inputs in the runner's buffers."""
+        layers = [name for group in runner.kv_cache_config.kv_cache_groups for name in group.layer_names]
+        slot_buffer = runner.input_batch.block_table[0].slot_mapping.gpu
+
+        def inputs(positions: torch.Tensor, padded: int):
+            runner.input_ids.gpu[:padded].zero_()
+            runner.positions[:positions.shape[0]].copy_(positions)
+            runner.positions[positions.shape[0]:padded].zero_()
+            return runner.input_ids.gpu[:padded], runner.positions[:padded]
+
+        def slots(padded: int, slot_mapping: torch.Tensor):
+            slot_buffer[:slot_mapping.shape[0]].copy_(slot_mapping)
+            slot_buffer[slot_mapping.shape[0]:padded].fill_(PADDING_SLOT_ID)
+            return {name: slot_buffer[:padded] for name in layers}
+
+        return cls(runner.model, runner.model.compute_logits, runner.vllm_config, runner.device,
+                   lambda n: runner.cudagraph_dispatcher.dispatch(n, uniform_decode=False), inputs, slots)
+
+    @classmethod
+    def of_drafter(cls, proposer) -> Forwarder:
+        """The draft as the drafter's levels run it (engine/proposer.py `_forward`)."""
+        def inputs(positions: torch.Tensor, padded: int):
+            token_ids = torch.zeros(positions.shape[0], dtype=torch.int32, device=positions.device)
+            return proposer._graph_inputs(token_ids, positions, padded)
+
+        return cls(proposer.model, proposer.draft_head, proposer.vllm_config, proposer.device,
+                   proposer.cudagraph_dispatcher.dispatch, inputs, proposer._get_slot_mapping)
+
+    @torch.inference_mode()
+    def time(self, num_tokens: int, scratch: _Scratch) -> float:
+        """Seconds of one forward of `num_tokens` rows (and the head over them), synchronized."""
+        mode, descriptor = self.dispatch(num_tokens)
+        padded = descriptor.num_tokens
+        metadata, positions = scratch.forward_inputs(num_tokens, self.device)
+        slot_mapping = self.slots(padded, scratch.slots(positions))
+        input_ids, padded_positions = self.inputs(positions, padded)
+        synchronize(self.device)
+        started = time.perf_counter()
+        with set_forward_context(metadata, self.vllm_config, num_tokens=padded, cudagraph_runtime_mode=mode,
+                                 batch_descriptor=descriptor, slot_mapping=slot_mapping):
+            hidden_states = self.model(input_ids=input_ids, positions=padded_positions)
+            if isinstance(hidden_states, tuple):
+                hidden_states = hidden_states[0]
+            self.head(hidden_states[:num_tokens])
+        synchronize(self.device)
+        return time.perf_counter() - started
 
 
 @dataclass
@@ -73,8 +147,8 @@ class _Scratch:
     context: int
 
     def forward_inputs(self, num_tokens: int, device):
-        """(per-layer attention metadata, per-layer slot mapping, positions) of one request of
-        num_tokens new tokens after `context` cached ones."""
+        """(per-layer attention metadata, positions [num_tokens]) of one request of num_tokens
+        new tokens after `context` cached ones."""
         seq_len = self.context + num_tokens
         positions = torch.arange(self.context, seq_len, dtype=torch.int64, device=device)
         num_blocks = -(-seq_len // self.block_size)
@@ -84,39 +158,29 @@ class _Scratch:
         common = CommonAttentionMetadata(
             query_start_loc=query_start_loc.to(device), query_start_loc_cpu=query_start_loc,
             seq_lens=seq_lens.to(device), num_reqs=1, num_actual_tokens=num_tokens, max_query_len=num_tokens,
-            max_seq_len=seq_len, block_table_tensor=block_table, slot_mapping=positions, causal=True,
+            max_seq_len=seq_len, block_table_tensor=block_table, slot_mapping=self.slots(positions), causal=True,
             positions=positions, seq_lens_cpu_upper_bound=seq_lens)
-        metadata, slots = {}, {}
+        metadata = {}
         for group in self.attn_groups:
             built = group.get_metadata_builder().build(0, common)
             for name in group.layer_names:
-                metadata[name], slots[name] = built, positions
-        return metadata, slots, positions
+                metadata[name] = built
+        return metadata, positions
+
+    @staticmethod
+    def slots(positions: torch.Tensor) -> torch.Tensor:
+        """The KV slots of the scratch request's positions: its block b is block b of the cache."""
+        return positions
 
 
-def _measure(model, head, vllm_config, device, tokens: list[int], scratch: _Scratch) -> list[float]:
-    """Best wall time of one forward (with `head`'s logits of every row) for each token count."""
-    _time_forward(model, head, vllm_config, device, tokens[0], scratch)  # warm-up (allocator, lazy init)
+def _measure(forwarder: Forwarder, tokens: list[int], scratch: _Scratch) -> list[float]:
+    """Best wall time of one forward (with its head's logits of every row) for each token count."""
+    forwarder.time(tokens[0], scratch)  # warm-up (allocator, lazy init)
     times = []
     for q in tokens:
         repeats = 2 if q < REPEATS_BELOW else 1
-        times.append(min(_time_forward(model, head, vllm_config, device, q, scratch) for _ in range(repeats)))
+        times.append(min(forwarder.time(q, scratch) for _ in range(repeats)))
     return times
-
-
-@torch.inference_mode()
-def _time_forward(model, head, vllm_config, device, num_tokens: int, scratch: _Scratch) -> float:
-    input_ids = torch.zeros(num_tokens, dtype=torch.int32, device=device)
-    metadata, slots, positions = scratch.forward_inputs(num_tokens, device)
-    synchronize(device)
-    started = time.perf_counter()
-    with set_forward_context(metadata, vllm_config, num_tokens=num_tokens, slot_mapping=slots):
-        hidden_states = model(input_ids=input_ids, positions=positions)
-        if isinstance(hidden_states, tuple):
-            hidden_states = hidden_states[0]
-        head(hidden_states)
-    synchronize(device)
-    return time.perf_counter() - started
 
 
 # Called on every `synchronize` (any device): the host-read counter (testing/host_reads.py) counts

@@ -211,3 +211,48 @@ class WorkerProbes:
 
     def gsd_test_reorders(self) -> int:
         return self.model_runner.gsd_test_reorders
+
+    def gsd_test_time_cost_curves(self, sizes: list[int]) -> dict:
+        """Time this worker's cost curves again (engine/cost_calibration.py) as on CUDA with
+        piecewise graphs captured at `sizes`, for the target and the draft: each timed forward
+        padded to the next size by the model's own dispatcher (a CPU has no graphs to replay, so
+        the padded batch runs eagerly). Returns the curves and, per model, the (tokens, padded
+        tokens, mode) of each dispatch, and the (tokens, padded tokens) the draft's persistent
+        buffers got. Writes scratch KV: for an engine that serves nothing afterwards."""
+        from vllm.config.compilation import CUDAGraphMode
+
+        from vllm_gsd.engine.cost_calibration import budget_cost_curves
+
+        runner = self.model_runner
+        drafter = runner.drafter
+        dispatches = {"target": [], "draft": []}
+        for name, owner in (("target", runner), ("draft", drafter)):
+            dispatcher = owner.cudagraph_dispatcher
+            dispatcher.compilation_config.cudagraph_capture_sizes = sorted(sizes)
+            dispatcher.compilation_config.max_cudagraph_capture_size = max(sizes)
+            dispatcher.initialize_cudagraph_keys(CUDAGraphMode.PIECEWISE)
+            dispatch = dispatcher.dispatch
+
+            def recording(num_tokens, *args, _dispatch=dispatch, _seen=dispatches[name], **kwargs):
+                mode, descriptor = _dispatch(num_tokens, *args, **kwargs)
+                _seen.append((int(num_tokens), int(descriptor.num_tokens), mode.name))
+                return mode, descriptor
+
+            dispatcher.dispatch = recording
+        graph_inputs = []
+        original = type(drafter)._graph_inputs
+
+        def recording_inputs(token_ids, positions, num_tokens):
+            graph_inputs.append((int(token_ids.shape[0]), int(num_tokens)))
+            return original(drafter, token_ids, positions, num_tokens)
+
+        drafter._graph_inputs = recording_inputs
+        try:
+            target, draft = budget_cost_curves(runner, drafter, None)
+        finally:
+            drafter.__dict__.pop("_graph_inputs", None)
+            for owner in (runner, drafter):
+                owner.cudagraph_dispatcher.__dict__.pop("dispatch", None)
+                owner.cudagraph_dispatcher.initialize_cudagraph_keys(CUDAGraphMode.NONE)
+        return {"target": list(zip(target.tokens, target.seconds)), "draft": list(zip(draft.tokens, draft.seconds)),
+                "dispatches": dispatches, "draft_inputs": graph_inputs}

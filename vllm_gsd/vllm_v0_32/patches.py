@@ -204,9 +204,16 @@ WORKER_PATCHES: list[Patch] = [
     ),
     Patch(
         target=f"{_RUNNER}.initialize_kv_cache",
-        why="live target caches for compaction; one KV group only; the adaptive budget's cost curves",
+        why="live target caches for compaction; one KV group only; the adaptive budget's cost "
+            "curves where no CUDA graph is captured (CPU, enforce_eager)",
         scope="worker",
         wrap=_SETUP + "wrap_initialize_kv_cache",
+    ),
+    Patch(
+        target=f"{_RUNNER}.capture_model",
+        why="the adaptive budget's cost curves, timed through the CUDA graphs just captured",
+        scope="worker",
+        wrap=_SETUP + "wrap_capture_model",
     ),
     Patch(
         target=f"{_RUNNER}.initialize_metadata_builders",

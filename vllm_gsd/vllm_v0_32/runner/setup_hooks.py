@@ -146,8 +146,10 @@ def wrap_check_and_update_cudagraph_mode(original):
 
 
 def wrap_initialize_kv_cache(original):
-    """List the live target caches; once the real KV cache exists, the adaptive node budget
-    may time forwards for its cost curves."""
+    """List the live target caches (one KV cache group only). Once the real KV cache exists, the
+    adaptive node budget times forwards for its cost curves (engine/cost_calibration.py): here
+    where vLLM captures no CUDA graph (the CPU, enforce_eager), else after the capture
+    (`wrap_capture_model`), so that they time the graphs serving replays."""
 
     @functools.wraps(original)
     def initialize_kv_cache(self, kv_cache_config, is_profiling: bool = False, *args, **kwargs):
@@ -156,11 +158,31 @@ def wrap_initialize_kv_cache(original):
         _refuse_several_kv_groups(kv_cache_config)
         result = original(self, kv_cache_config, is_profiling, *args, **kwargs)
         self.gsd.target_kv_caches, self.gsd.target_cache_packing = _target_kv_caches(self)
-        if not is_profiling:
+        if not is_profiling and not captures_graphs(self):
             self.drafter.prepare_policy(self)
         return result
 
     return initialize_kv_cache
+
+
+def captures_graphs(runner) -> bool:
+    """Whether vLLM's worker will call the runner's capture_model (vllm/v1/worker/gpu_worker.py:
+    on CUDA unless enforce_eager; the CPU worker never does)."""
+    return runner.device.type == "cuda" and not runner.model_config.enforce_eager
+
+
+def wrap_capture_model(original):
+    """After vLLM's CUDA-graph capture, the worker's last start-up step before serving: the
+    adaptive node budget, its cost curves timed through the graphs just captured."""
+
+    @functools.wraps(original)
+    def capture_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if is_gsd_runner(self):
+            self.drafter.prepare_policy(self)
+        return result
+
+    return capture_model
 
 
 def wrap_input_fits_in_drafter(original):
