@@ -247,6 +247,7 @@ class LevelRows:
                  staging: HostStaging):
         self._logits, self._staging = logits, staging
         self._options = options
+        self._with_options = np.asarray([o is not None for o in options])
         self._walkers, self._row_start = walkers, row_start
         self._depth = torch.where(is_node, walker_depth, -1)  # [W, max_nodes], host
         self._paths = paths
@@ -277,9 +278,8 @@ class LevelRows:
 
     def _level_rows(self, level: int) -> tuple[np.ndarray, np.ndarray]:
         """(walk, local row) of every depth-`level` row of walks with options (level 0: roots)."""
-        with_options = np.asarray([o is not None for o in self._options])
         if level == 0:
-            walk = np.flatnonzero(with_options)
+            walk = np.flatnonzero(self._with_options)
             return walk, np.zeros_like(walk)
-        walk, node = np.nonzero((self._depth == level).numpy() & with_options[:, None])
+        walk, node = np.nonzero((self._depth == level).numpy() & self._with_options[:, None])
         return walk, node + 1

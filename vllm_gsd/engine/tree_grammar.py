@@ -27,14 +27,16 @@ from typing import Protocol
 import torch
 
 from vllm_gsd.engine.node_processing import row_paths
+from vllm_gsd.engine.staging import HostStaging
 
 
 class PathGrammar(Protocol):
     """A request's grammar as the draft sees it (the vLLM adapter's: vllm_v0_32/draft_grammar.py)."""
 
-    def mask(self, scores: torch.Tensor, paths: Sequence[Sequence[int]]) -> None:
+    def mask(self, scores: torch.Tensor, paths: Sequence[Sequence[int]], staging: HostStaging) -> None:
         """Set to -inf, in each row r of scores (float32 [R, V]), the tokens the grammar refuses
-        after the committed output and then paths[r]; a row whose path it refuses is left."""
+        after the committed output and then paths[r]; a row whose path it refuses is left. Host
+        arrays reach the scores' device through `staging` (engine/staging.py)."""
 
 
 def allowed_nodes(grammar, tokens: Sequence[int], parents: Sequence[int]) -> list[bool]:
